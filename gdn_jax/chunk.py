@@ -15,6 +15,8 @@ cheap state update is sequential (``lax.scan`` over chunks).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -199,9 +201,7 @@ def chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state, cu_seqlens
     )
     state_batch = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    b, t, hk, hv, dk, dv = check_rule_inputs(
-        q, k, v, g, beta, initial_state, state_batch=state_batch
-    )
+    b, t, *_ = check_rule_inputs(q, k, v, g, beta, initial_state, state_batch=state_batch)
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
     if cu_seqlens is not None:
@@ -220,6 +220,40 @@ def chunk_gated_delta_rule(
             chunk_size=chunk_size,
             cu_seqlens=cu_seqlens,
         )
+    return _chunk_xla(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        cu_seqlens,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "use_qk_l2norm", "output_final_state", "chunk_size")
+)
+def _chunk_xla(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    cu_seqlens,
+    *,
+    scale,
+    use_qk_l2norm,
+    output_final_state,
+    chunk_size,
+):
+    b, t, hk, dk = k.shape
+    hv, dv = v.shape[2:]
     c = chunk_size
     qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
     vf, gf, bf = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)

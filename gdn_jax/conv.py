@@ -12,6 +12,8 @@ root (DESIGN.md section 3).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -56,8 +58,14 @@ def causal_conv1d(
     ``concat(conv_state, x)``.
     """
     x, weight, conv_state = as_arrays(x, weight, conv_state)
-    b, c, w = _check_conv(x, weight, conv_state, activation)
-    t = x.shape[1]
+    _check_conv(x, weight, conv_state, activation)
+    return _conv_xla(x, weight, conv_state, activation=activation)
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def _conv_xla(x, weight, conv_state, *, activation):
+    b, t, c = x.shape
+    w = weight.shape[1]
     if conv_state is None:
         conv_state = jnp.zeros((b, w - 1, c), x.dtype)
     full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
@@ -114,6 +122,12 @@ def tree_causal_conv1d(
     x, parents, conv_state, weight = as_arrays(x, parents, conv_state, weight)
     b, c, w = _check_conv(x, weight, conv_state, activation)
     parents = _check_parents(parents, b, x.shape[1])
+    return _tree_conv_xla(x, parents, conv_state, weight, activation=activation)
+
+
+@functools.partial(jax.jit, static_argnames=("activation",))
+def _tree_conv_xla(x, parents, conv_state, weight, *, activation):
+    b, w = x.shape[0], weight.shape[1]
     anc = _tree_ancestors(parents, w - 1)  # [W-1, B, N], anc[d-1] = d-th ancestor
     rows = jnp.arange(b)[:, None]
     from_x = x[rows, jnp.maximum(anc, 0)]  # [W-1, B, N, C]
@@ -142,6 +156,12 @@ def tree_conv_commit(
         raise ValueError(
             f"path/path_len: expected [B, D] and [B] with B={b}, got {path.shape}, {path_len.shape}"
         )
+    return _conv_commit_xla(x, conv_state, path, path_len)
+
+
+@jax.jit
+def _conv_commit_xla(x, conv_state, path, path_len):
+    b, wm1, _ = conv_state.shape
     n = x.shape[1]
     back = jnp.arange(wm1)[::-1]  # slot s holds the input `back[s]` steps before the newest
     m = path_len.astype(jnp.int32)[:, None]

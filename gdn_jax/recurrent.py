@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -40,7 +42,24 @@ def recurrent_gated_delta_rule(
     Returns ``(o [B, T, Hv, V], S_T [B, Hv, K, V] f32 or None)``.
     """
     q, k, v, g, beta, initial_state = as_arrays(q, k, v, g, beta, initial_state)
-    b, _, hk, hv, dk, dv = check_rule_inputs(q, k, v, g, beta, initial_state)
+    check_rule_inputs(q, k, v, g, beta, initial_state)
+    return _recurrent_xla(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        output_final_state=output_final_state,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "output_final_state"))
+def _recurrent_xla(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, output_final_state):
+    b, _, hk, dk = k.shape
+    hv, dv = v.shape[2:]
     qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
     if initial_state is None:
         s0 = jnp.zeros((b, hv, dk, dv), jnp.float32)

@@ -7,6 +7,8 @@ Commit is then a copy of the accepted leaf's snapshot.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -40,8 +42,17 @@ def snapshot_tree_verify(
     Returns ``(o [B, N, Hv, V] in v's dtype, snapshots f32 [B, N, Hv, K, V])``.
     """
     q, k, v, g, beta, parents, initial_state = as_arrays(q, k, v, g, beta, parents, initial_state)
-    b, n, hk, hv, dk, dv = check_rule_inputs(q, k, v, g, beta, initial_state, time_name="N")
+    b, n, *_ = check_rule_inputs(q, k, v, g, beta, initial_state, time_name="N")
     parents = _check_parents(parents, b, n)
+    return _snapshot_xla(
+        q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm"))
+def _snapshot_xla(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2norm):
+    b, n, hk, _ = k.shape
+    hv, dv = v.shape[2:]
     qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
     vg = group_heads(v.astype(jnp.float32), hk, 2)  # [B, N, Hk, Gr, V]
     gg = group_heads(g.astype(jnp.float32), hk, 2)

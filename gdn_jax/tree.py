@@ -111,7 +111,7 @@ class DraftTree:
     @classmethod
     def from_parents(cls, parents: Sequence[int], tokens: Sequence[int] | None = None) -> DraftTree:
         """A tree from its parent list (``-1`` root children, ``-2`` padding)."""
-        return cls(np.asarray(list(parents), dtype=np.int64), tokens)
+        return cls(np.asarray(list(parents)), tokens)
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> DraftTree:

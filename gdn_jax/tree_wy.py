@@ -18,6 +18,7 @@ Commit of an accepted chain ``a_1..a_m``::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,16 @@ def tree_verify(
             q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
         )
         return o, TreeCache(u, k, g_path, parents, use_qk_l2norm)
+    o, u, g_path = _tree_verify_xla(
+        q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+    return o, TreeCache(u, k, g_path, parents, use_qk_l2norm)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm"))
+def _tree_verify_xla(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2norm):
+    """The XLA path of :func:`tree_verify`: ``(o, U, G)``."""
+    n, hk = k.shape[1], k.shape[2]
     qf, kf = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
     incl = ancestor_closure(parents)  # [B, N, N]
     strict = incl & ~jnp.eye(n, dtype=bool)
@@ -150,7 +161,7 @@ def tree_verify(
 
     o = jnp.moveaxis(ungroup_heads(o, 1), 2, 1).astype(v.dtype)  # [B, N, Hv, V]
     u = jnp.moveaxis(ungroup_heads(u, 1), 2, 1)
-    return o, TreeCache(u, k, g_path, parents, use_qk_l2norm)
+    return o, u, g_path
 
 
 def _check_commit(initial_state, cache: TreeCache, path, path_len):
@@ -189,9 +200,16 @@ def tree_commit(
     Returns f32 ``[B, Hv, K, V]``.
     """
     initial_state, path, path_len = as_arrays(initial_state, path, path_len)
-    b, hk = _check_commit(initial_state, cache, path, path_len)
+    _check_commit(initial_state, cache, path, path_len)
     if resolve_impl(impl, "tree_commit") == "pallas":
         return pallas_op("tree_commit")(initial_state, cache, path, path_len)
+    return _tree_commit_xla(initial_state, cache, path, path_len)
+
+
+@jax.jit
+def _tree_commit_xla(initial_state, cache, path, path_len):
+    """The XLA path of :func:`tree_commit`."""
+    hk = cache.k.shape[2]
     d = path.shape[1]
     n = cache.u.shape[1]
     path = path.astype(jnp.int32)

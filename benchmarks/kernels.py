@@ -1,0 +1,463 @@
+"""Benchmark of the Pallas GDN kernels on one GPU (issue 3; DESIGN.md section 7).
+
+Prints tables and writes JSON: tree_verify (Pallas, XLA, fused Pallas snapshot verify, floor),
+tree_commit (Pallas, XLA, floor), speculative memory per node (WY vs snapshot), and chunked
+prefill (Pallas vs flash-linear-attention's Triton ``chunk_gated_delta_rule`` when importable).
+The floor of each op is ``max(bytes / HBM bandwidth, flops / bf16 matmul rate)``, both measured
+at the start of the same run. Timings: median over ``--reps`` timed calls of one jitted program
+that runs the op on ``R`` distinct input sets back to back (rotating inputs past the L2 and
+amortising the host dispatch), divided by ``R``.
+
+    python benchmarks/kernels.py --json results.json
+"""
+
+# The closures handed to attempt()/timed() run inside the loop iteration that makes them.
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from gdn_jax.chunk import chunk_gated_delta_rule as xla_chunk  # noqa: E402
+from gdn_jax.tree_wy import tree_commit as xla_commit  # noqa: E402
+from gdn_jax.tree_wy import tree_verify as xla_verify  # noqa: E402
+
+K = V = 128
+HK = 16
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def timed(fn, sets, reps: int, iters: int = 30) -> float:
+    """Seconds per call of ``jax.jit(fn)``: back-to-back async calls rotating over the input
+    sets (past the L2), blocking once at the end; median over ``reps``."""
+    f = jax.jit(fn)
+    for s in sets:
+        jax.block_until_ready(f(*s))
+    iters = max(iters, len(sets))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = f(*sets[i % len(sets)])
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / iters)
+    return statistics.median(ts)
+
+
+def attempt(row: dict, key: str, thunk) -> None:
+    """``row[key] = thunk()``; a failure is recorded in the row instead of ending the run."""
+    t0 = time.perf_counter()
+    try:
+        row[key] = thunk()
+        log(f"{row.get('op')} {key} = {row[key]:.4g} ({time.perf_counter() - t0:.1f} s)")
+    except Exception as e:  # keep the other measurements of the run
+        row[key + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"# {row.get('op')} {key} failed: {row[key + '_error']}", file=sys.stderr)
+
+
+def log(msg: str) -> None:
+    print(f"# [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def n_sets(bytes_per_call: int, cap: int = 16) -> int:
+    return int(min(cap, max(1, (256 << 20) // max(bytes_per_call, 1))))
+
+
+def measure_bandwidth(reps: int, size: int = 256 << 20) -> float:
+    x = jax.random.normal(jax.random.key(0), (size,), F32)  # 1 GiB
+    f = jax.jit(lambda a: a * 1.0001 + 0.5)
+    t = timed(f, [(x,)], reps)
+    return 2 * x.nbytes / t
+
+
+def measure_matmul(reps: int, n: int = 8192) -> float:
+    a = jax.random.normal(jax.random.key(1), (n, n), BF16)
+    b = jax.random.normal(jax.random.key(2), (n, n), BF16)
+    t = timed(lambda x, y: jnp.dot(x, y, preferred_element_type=BF16), [(a, b)], reps)
+    return 2 * n**3 / t
+
+
+def random_parents(rng, b: int, n: int, chain: bool) -> np.ndarray:
+    if chain:
+        return np.broadcast_to(np.arange(n) - 1, (b, n)).astype(np.int32).copy()
+    par = np.zeros((b, n), np.int32)
+    par[:, 0] = -1
+    for i in range(1, n):
+        par[:, i] = rng.integers(max(0, i - 6), i, size=b)  # bushy but several levels deep
+    return par
+
+
+def tree_inputs(seed: int, b: int, n: int, hv: int, chain: bool):
+    rng = np.random.default_rng(seed)
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (b, n, HK, K), BF16)
+    k = jax.random.normal(ks[1], (b, n, HK, K), BF16)
+    v = jax.random.normal(ks[2], (b, n, hv, V), BF16)
+    g = -jax.random.uniform(ks[3], (b, n, hv), F32, 0.01, 0.5)
+    beta = jax.random.uniform(ks[4], (b, n, hv), F32, 0.05, 1.0)
+    s0 = 0.1 * jax.random.normal(ks[5], (b, hv, K, V), F32)
+    par = jnp.asarray(random_parents(rng, b, n, chain))
+    return q, k, v, g, beta, par, s0
+
+
+def deepest_path(par: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    b, n = par.shape
+    depth = np.zeros((b, n), np.int32)
+    for i in range(n):
+        p = par[:, i]
+        depth[:, i] = np.where(p >= 0, depth[np.arange(b), np.maximum(p, 0)] + 1, 1)
+    d = int(depth.max())
+    path = np.full((b, d), 0, np.int32)
+    plen = np.zeros((b,), np.int32)
+    for r in range(b):
+        node = int(np.argmax(depth[r]))
+        chain = []
+        while node >= 0:
+            chain.append(node)
+            node = int(par[r, node])
+        chain = chain[::-1]
+        path[r, : len(chain)] = chain
+        plen[r] = len(chain)
+    return path, plen
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def verify_bytes(b, n, hv) -> int:
+    return (
+        b * hv * K * V * 4  # S0
+        + 2 * b * n * HK * K * 2  # q, k
+        + b * n * hv * V * 2  # v
+        + 2 * b * n * hv * 4  # g, beta
+        + b * n * 4  # parents
+        + b * n * hv * V * (2 + 4)  # O (bf16), U (f32)
+        + b * n * hv * 4  # G
+    )
+
+
+def verify_flops(b, n, hv) -> int:
+    per_head = 2 * (2 * n * n * K + 2 * n * K * V + n * n * V)  # KK^T, QK^T, KS0, QS0, solve+attn
+    return b * hv * per_head
+
+
+def check_verify(b, n, hv, blocks) -> float:
+    """Largest relative error vs XLA (o and u of Pallas WY, o of the Pallas snapshot kernel) over
+    a random tree and a chain."""
+    fx = jax.jit(lambda *a: xla_verify(*a, use_qk_l2norm=True, impl="xla"))
+    fp = jax.jit(lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=blocks))
+    fs = jax.jit(lambda *a: pk.snapshot_verify(*a, use_qk_l2norm=True))
+    errs = []
+    for chain in (False, True):
+        inp = tree_inputs(100 + chain, b, n, hv, chain)
+        ox, cx = fx(*inp)
+        op, up, _ = fp(*inp)
+        errs.append(max(rel(op, ox), rel(up, cx.u)))
+        if b * n * hv * K * V * 4 <= 2**32:
+            errs.append(rel(fs(*inp)[0], ox))
+    return max(errs)
+
+
+def bench_verify(args, bw, mm, rows):
+    blocks = parse_blocks(args.verify_blocks, pk.VerifyBlocks)
+    for hv, b, n in args.configs:
+        if True:
+            if True:
+                byts = verify_bytes(b, n, hv)
+                r = n_sets(byts)
+                row = dict(op="tree_verify", Hv=hv, B=b, N=n, R=r)
+                floor = max(byts / bw, verify_flops(b, n, hv) / mm)
+                row["floor_us"] = floor * 1e6
+                sets = [tree_inputs(s, b, n, hv, chain=False) for s in range(r)]
+                attempt(row, "rel_err_vs_xla", lambda: check_verify(b, n, hv, blocks[0]))
+
+                for i, bl in enumerate(blocks):
+                    attempt(row, f"pallas{i}_us", lambda bl=bl: 1e6 * timed(
+                        lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=bl),
+                        sets, args.reps,
+                    ))  # fmt: skip
+                row["pallas_us"] = min(row.get(f"pallas{i}_us", 1e30) for i in range(len(blocks)))
+                if not args.no_xla:
+                    attempt(row, "xla_us", lambda: 1e6 * timed(
+                        lambda *a: xla_verify(*a, use_qk_l2norm=True, impl="xla")[0],
+                        sets[: max(1, r // 4)], args.reps,
+                    ))  # fmt: skip
+                snap_bytes = b * n * hv * K * V * 4
+                if not args.no_snapshot and snap_bytes <= args.snapshot_max_gb * 2**30:
+                    rs = n_sets(snap_bytes, cap=8)
+                    attempt(row, "snapshot_us", lambda: 1e6 * timed(
+                        lambda *a: pk.snapshot_verify(*a, use_qk_l2norm=True), sets[:rs], args.reps
+                    ))  # fmt: skip
+                row["pallas_over_floor"] = row["pallas_us"] / row["floor_us"]
+                if "snapshot_us" in row and row["pallas_us"] < 1e30:
+                    row["snapshot_over_pallas"] = row["snapshot_us"] / row["pallas_us"]
+                # speculative bytes per draft node, one layer, all heads
+                row["wy_bytes_per_node"] = hv * V * 4 + HK * K * 2 + hv * 4 + 4
+                row["snapshot_bytes_per_node"] = hv * K * V * 4
+                rows.append(row)
+                print_row(row)
+
+
+def bench_commit(args, bw, mm, rows):
+    blocks = parse_blocks(args.commit_blocks, pk.CommitBlocks)
+    for hv, b, n in args.configs:
+        if True:
+            if True:
+                inp = tree_inputs(7, b, n, hv, chain=False)
+                path, plen = deepest_path(np.asarray(inp[5]))
+                d = path.shape[1]
+                byts = 2 * b * hv * K * V * 4 + b * d * (HK * K * 2 + hv * V * 4 + hv * 4 + 4)
+                r = n_sets(byts)
+                _, cache = jax.jit(lambda *a: xla_verify(*a, use_qk_l2norm=True, impl="xla"))(*inp)
+                s0 = inp[6]
+                ref = xla_commit(s0, cache, path, plen, impl="xla")
+                got = pk.tree_commit(
+                    s0, cache.k, cache.u, cache.g_path, jnp.asarray(path), jnp.asarray(plen),
+                    use_qk_l2norm=True, blocks=blocks[0],
+                )  # fmt: skip
+                row = dict(op="tree_commit", Hv=hv, B=b, N=n, D=d, R=r)
+                row["rel_err_vs_xla"] = rel(got, ref)
+                row["floor_us"] = 1e6 * byts / bw
+                path_j, plen_j = jnp.asarray(path), jnp.asarray(plen)
+
+                def run(fn, r=r, s0=s0, iters=30):
+                    f = jax.jit(fn, donate_argnums=0)
+                    states = [f(s0 + 0.001 * i) for i in range(r)]
+                    jax.block_until_ready(states)
+                    ts = []
+                    for _ in range(args.reps):
+                        t0 = time.perf_counter()
+                        for i in range(iters):
+                            states[i % r] = f(states[i % r])
+                        jax.block_until_ready(states)
+                        ts.append((time.perf_counter() - t0) / iters)
+                    return 1e6 * statistics.median(ts)
+
+                for i, bl in enumerate(blocks):
+                    attempt(row, f"pallas{i}_us", lambda bl=bl: run(
+                        lambda s, bl=bl: pk.tree_commit(
+                            s, cache.k, cache.u, cache.g_path, path_j, plen_j,
+                            use_qk_l2norm=True, blocks=bl,
+                        )
+                    ))  # fmt: skip
+                row["pallas_us"] = min(row.get(f"pallas{i}_us", 1e30) for i in range(len(blocks)))
+                attempt(row, "xla_us", lambda: run(
+                    lambda s: xla_commit(s, cache, path_j, plen_j, impl="xla")))  # fmt: skip
+                row["pallas_over_floor"] = row["pallas_us"] / row["floor_us"]
+                rows.append(row)
+                print_row(row)
+
+
+def bench_chunk(args, bw, mm, rows):
+    blocks = parse_blocks(args.chunk_blocks, pk.ChunkBlocks)
+    fla = None
+    if not args.no_fla:
+        try:
+            import torch
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+            from triton.testing import do_bench
+        except Exception as e:  # report and continue without the comparison
+            print(f"# fla unavailable: {e!r}", file=sys.stderr)
+            fla = None
+    hv = args.chunk_hv
+    for t, b in args.chunk_shapes:
+        ks = jax.random.split(jax.random.key(t + b), 6)
+        q = jax.random.normal(ks[0], (b, t, HK, K), BF16)
+        k = jax.random.normal(ks[1], (b, t, HK, K), BF16)
+        v = jax.random.normal(ks[2], (b, t, hv, V), BF16)
+        g = -jax.random.uniform(ks[3], (b, t, hv), F32, 0.01, 0.2)
+        beta = jax.random.uniform(ks[4], (b, t, hv), F32, 0.05, 1.0)
+        s0 = 0.1 * jax.random.normal(ks[5], (b, hv, K, V), F32)
+        args_ = (q, k, v, g, beta, s0)
+        row = dict(op="chunk", Hv=hv, B=b, T=t)
+        byts = b * t * (2 * HK * K * 2 + hv * V * 2 * 2 + hv * 8) + 2 * b * hv * K * V * 4
+        row["floor_us"] = 1e6 * byts / bw
+        ox, sx = jax.jit(lambda *a: xla_chunk(*a, use_qk_l2norm=True, impl="xla"))(*args_)
+
+        def check(args_=args_, ox=ox, sx=sx):
+            op, sp = jax.jit(
+                lambda *a: pk.chunk_gated_delta_rule(
+                    *a, use_qk_l2norm=True, blocks=blocks[0], chunk_size=args.chunk_size
+                )
+            )(*args_)
+            return max(rel(op, ox), rel(sp, sx))
+
+        attempt(row, "rel_err_vs_xla", check)
+        for i, bl in enumerate(blocks):
+            attempt(row, f"pallas{i}_us", lambda bl=bl, args_=args_: 1e6 * timed(
+                lambda *a: pk.chunk_gated_delta_rule(
+                    *a, use_qk_l2norm=True, blocks=bl, chunk_size=args.chunk_size
+                ),
+                [args_], args.reps,
+            ))  # fmt: skip
+        row["pallas_us"] = min(row.get(f"pallas{i}_us", 1e30) for i in range(len(blocks)))
+        if not args.no_xla:
+            attempt(row, "xla_us", lambda args_=args_: 1e6 * timed(
+                lambda *a: xla_chunk(*a, use_qk_l2norm=True, impl="xla"), [args_], args.reps
+            ))  # fmt: skip
+        if fla is not None:
+            tt = [torch.from_numpy(np.asarray(x.astype(F32))).cuda() for x in args_]
+            tq, tk, tv = (x.to(torch.bfloat16) for x in tt[:3])
+            tg, tb, ts0 = tt[3], tt[4], tt[5]
+
+            def call(tq=tq, tk=tk, tv=tv, tg=tg, tb=tb, ts0=ts0):
+                return fla(
+                    tq, tk, tv, tg, tb, initial_state=ts0, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True,
+                )  # fmt: skip
+
+            def fla_err(call=call, ox=ox, sx=sx):
+                of, sf = call()
+                return max(rel(of.float().cpu().numpy(), ox), rel(sf.float().cpu().numpy(), sx))
+
+            attempt(row, "fla_rel_err_vs_xla", fla_err)
+            attempt(row, "fla_us", lambda call=call: 1e3 * do_bench(
+                call, warmup=100, rep=500, return_mode="median"))  # fmt: skip
+            if "fla_us" in row:
+                row["pallas_over_fla"] = row["pallas_us"] / row["fla_us"]
+        rows.append(row)
+        print_row(row)
+
+
+def parse_blocks(specs: list[str], cls):
+    out = []
+    for spec in specs:
+        kw = {}
+        for item in filter(None, spec.split(",")):
+            key, val = item.split("=")
+            kw[key] = val if key == "precision" else int(val)
+        out.append(cls(**kw))
+    return out or [cls()]
+
+
+def print_row(row):
+    cells = []
+    for key, val in row.items():
+        cells.append(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}")
+    print("  ".join(cells), flush=True)
+
+
+def table(rows, cols):
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def dump(args, dev, bw, mm, rows) -> None:
+    meta = dict(device=dev.device_kind, jax=jax.__version__, hbm_bytes_per_s=bw, bf16_flops=mm)
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, args=vars(args), rows=rows), f, indent=1, default=str)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hv", type=ints, default=[32, 64], help="value heads (Hk = 16)")
+    p.add_argument("--batch", type=ints, default=[1, 16, 64])
+    p.add_argument("--nodes", type=ints, default=[8, 32, 64, 128])
+    p.add_argument(
+        "--configs", default="",
+        help="explicit 'Hv:B:N' list, e.g. '32:16:64;64:1:64' (default: --hv x --batch x --nodes)",
+    )  # fmt: skip
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--ops", default="verify,commit,chunk")
+    p.add_argument(
+        "--verify-blocks", action="append", default=[],
+        help="VerifyBlocks fields, e.g. 'block_v=128,num_warps=8,precision=tf32x3'; repeatable",
+    )  # fmt: skip
+    p.add_argument("--commit-blocks", action="append", default=[])
+    p.add_argument("--chunk-blocks", action="append", default=[])
+    p.add_argument(
+        "--chunk-shapes", type=lambda s: [tuple(ints(x.replace("x", ","))) for x in s.split(";")],
+        default=[(4096, 1), (4096, 8), (16384, 2)], help="'T x B' pairs, e.g. '4096x1;16384x2'",
+    )  # fmt: skip
+    p.add_argument("--chunk-hv", type=int, default=32)
+    p.add_argument("--chunk-size", type=int, default=32, help="64 does not build on the H200")
+    p.add_argument("--snapshot-max-gb", type=float, default=40.0)
+    p.add_argument("--no-snapshot", action="store_true")
+    p.add_argument("--no-xla", action="store_true")
+    p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--json", default="kernels.json")
+    p.add_argument(
+        "--dry-run", action="store_true",
+        help="CPU check of this script: kernels in interpret mode, tiny ceiling measurements",
+    )  # fmt: skip
+    p.add_argument("--watchdog", type=float, default=0, help="dump stacks every this many s")
+    args = p.parse_args(argv)
+    if args.configs:
+        args.configs = [tuple(ints(c.replace(":", ","))) for c in args.configs.split(";")]
+    else:
+        args.configs = [(h, b, n) for h in args.hv for b in args.batch for n in args.nodes]
+    if args.watchdog:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
+
+    dev = jax.devices()[0]
+    log("measuring bandwidth and matmul rate")
+    if args.dry_run:
+        for name in ("tree_verify", "tree_commit", "snapshot_verify", "chunk_gated_delta_rule"):
+            setattr(pk, name, functools.partial(getattr(pk, name), interpret=True))
+    bw = measure_bandwidth(args.reps, 1 << 20 if args.dry_run else 256 << 20)
+    mm = measure_matmul(args.reps, 256 if args.dry_run else 8192)
+    print(f"# device {dev.device_kind}; jax {jax.__version__}")
+    print(
+        f"# HBM bandwidth {bw / 1e12:.2f} TB/s (copy, read+write); bf16 matmul {mm / 1e12:.0f} TFLOP/s"
+    )
+    rows: list[dict] = []
+    ops = args.ops.split(",")
+    for name, bench in (("verify", bench_verify), ("commit", bench_commit), ("chunk", bench_chunk)):
+        if name in ops:
+            try:
+                bench(args, bw, mm, rows)
+            except Exception as e:  # report and go on with the next op
+                print(f"# {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            dump(args, dev, bw, mm, rows)
+    vr = [r for r in rows if r["op"] == "tree_verify"]
+    if vr:
+        print("\n## tree_verify (us per layer)\n")
+        print(table(vr, ["Hv", "B", "N", "pallas_us", "xla_us", "snapshot_us", "floor_us",
+                         "pallas_over_floor", "snapshot_over_pallas", "rel_err_vs_xla"]))  # fmt: skip
+        print("\n## speculative memory per draft node, one layer (bytes)\n")
+        mem = {(r["Hv"]): r for r in vr}
+        print("| Hv | WY (U, k, G, parent) | snapshot (K x V state) | ratio |\n|---|---|---|---|")
+        for hv, r in mem.items():
+            w, s = r["wy_bytes_per_node"], r["snapshot_bytes_per_node"]
+            print(f"| {hv} | {w} | {s} | {s / w:.0f}x |")
+    cr = [r for r in rows if r["op"] == "tree_commit"]
+    if cr:
+        print("\n## tree_commit (us per layer)\n")
+        print(table(cr, ["Hv", "B", "N", "D", "pallas_us", "xla_us", "floor_us",
+                         "pallas_over_floor", "rel_err_vs_xla"]))  # fmt: skip
+    pr = [r for r in rows if r["op"] == "chunk"]
+    if pr:
+        print("\n## chunk prefill (us per layer)\n")
+        print(table(pr, ["Hv", "B", "T", "pallas_us", "fla_us", "xla_us", "floor_us",
+                         "pallas_over_fla", "rel_err_vs_xla", "fla_rel_err_vs_xla"]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

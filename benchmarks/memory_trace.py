@@ -1,0 +1,609 @@
+"""Trace-replay study of the memory policies (issue 5): AVMP against three baselines.
+
+    python -m benchmarks.memory_trace --preset smoke          # < 1 min on CPU
+    python -m benchmarks.memory_trace --preset full --json out.json --png out.png
+
+What runs: the real :class:`serving.memory.MemoryManager` (one device arena, real on-device
+copies when it compacts) under a scheduler model. Each step the scheduler admits waiting
+requests in arrival order while their state slot and prompt KV pages fit (head-of-line: it
+stops at the first that does not), then every running request allocates its speculative
+scratch (one tree-WY ``stash`` unit, or ``spec_nodes`` per-node ``snapshot`` states for the
+vLLM/SGLang-style baseline), accepts a fixed number of tokens (its acceptance length), grows
+its KV pages, and frees the scratch. On an allocation failure the newest running request is
+preempted and later recomputed (vLLM's recompute policy); a request that cannot run even alone
+is rejected. All policies see the same requests (paired), at the same byte budget.
+
+What is modelled, not run: no model executes. A step lasts ``base + prefill_tokens * c_prefill
++ verified_nodes * c_node`` simulated seconds (constants in ``CONFIGS``, H200-order guesses;
+only ratios between policies are meant to be read), plus the measured wall time of every
+manager call in the step (allocation and real compaction copies on this host's device).
+Requests/s, latencies and utilisation are in that simulated time. Page contents are not
+written (the tests check that migration preserves contents); compaction copies are real.
+
+Scaling: the big configs keep the first 4 layers (3 GDN + 1 attention, one period of the
+3:1 pattern; ``layout_for(..., num_layers=4)``) so that the arena is a few hundred MB on a CPU
+while the KV-bytes-per-token to state-slot ratio, which decides every trade-off here, is the
+full model's. Budgets are set in state slots of that scaled layout.
+
+ShareGPT-like lengths: lognormal prompt and output lengths with the means reported for
+ShareGPT in the vLLM paper (Kwon et al., "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", SOSP 2023, section 6.1 / Fig. 11: mean input 161.31 tokens,
+mean output 337.99 tokens); the spread (sigma = 1.0) is our choice, not a published number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import deque
+
+import jax
+import numpy as np
+
+from serving.memory import (
+    AllocationTooLargeError,
+    HybridLayout,
+    MemoryManager,
+    OutOfMemoryError,
+    layout_for,
+)
+
+POLICIES = ("avmp", "unified_padded", "static_dual", "multi_ended")
+POLICY_ARGS = {"static_dual": {"ratio": 0.9}}  # SGLang's default mamba_full_memory_ratio
+
+# Cache geometry of the public configs (text_config of Qwen/Qwen3.5-35B-A3B and
+# Qwen/Qwen3.5-397B-A17B, see /shared/configs), plus a tiny model. cost = (step base s,
+# s per prefill token, s per verified draft node) of the scheduler's time model.
+_QWEN35 = {
+    "full_attention_interval": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+CONFIGS = {
+    "tiny": {
+        "config": {
+            "num_hidden_layers": 4,
+            "full_attention_interval": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+        },
+        "cost": (2e-3, 2e-6, 1e-6),
+    },
+    "qwen3.5-35b": {
+        "config": dict(_QWEN35, num_hidden_layers=40, linear_num_value_heads=32),
+        "cost": (12e-3, 25e-6, 8e-6),
+    },
+    "qwen3.5-397b": {
+        "config": dict(_QWEN35, num_hidden_layers=60, linear_num_value_heads=64),
+        "cost": (30e-3, 90e-6, 25e-6),
+    },
+}
+RESERVE_TOKENS = 64  # KV growth per running request kept free at admission
+SHAREGPT_MEANS = (161.31, 337.99)  # input, output tokens (vLLM paper, see module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    config: str
+    prompt: str  # short | long | shift (short first half, long second half) | sharegpt
+    output: str  # short | long | mixed | sharegpt
+    arrival: str  # poisson | bursty | batch
+    budget: str  # tight | loose
+    spec: str  # stash (tree WY) | snapshot (per-node states)
+
+    @property
+    def name(self) -> str:
+        return "/".join(dataclasses.astuple(self))
+
+
+PRESETS = {
+    "smoke": dict(
+        requests=24,
+        page_size=32,
+        spec_nodes=8,
+        budgets={"tight": 12, "loose": 32},
+        cells=[
+            Cell("tiny", "shift", "short", "poisson", "tight", "stash"),
+            Cell("tiny", "short", "mixed", "bursty", "tight", "snapshot"),
+            Cell("qwen3.5-35b", "shift", "short", "batch", "tight", "stash"),
+            Cell("qwen3.5-35b", "sharegpt", "sharegpt", "poisson", "tight", "stash"),
+        ],
+    ),
+    "full": dict(
+        requests=64,
+        page_size=32,
+        spec_nodes=8,
+        budgets={"tight": 12, "loose": 32},
+        cells=[
+            Cell(*c)
+            for c in itertools.product(
+                CONFIGS,
+                ("short", "long", "shift"),
+                ("short", "long", "mixed"),
+                ("poisson", "bursty", "batch"),
+                ("tight", "loose"),
+                ("stash", "snapshot"),
+            )
+        ]
+        + [
+            Cell(c, "sharegpt", "sharegpt", a, b, "stash")
+            for c in CONFIGS
+            for a in ("poisson", "bursty")
+            for b in ("tight", "loose")
+        ],
+    ),
+}
+
+
+def _lognormal(rng, mean, sigma, n, lo, hi):
+    mu = math.log(mean) - sigma * sigma / 2
+    return np.clip(rng.lognormal(mu, sigma, n), lo, hi).astype(np.int64)
+
+
+def make_requests(cell: Cell, n: int, seed: int, base_step: float) -> dict[str, np.ndarray]:
+    """Arrival time, prompt and output length, and acceptance length per request."""
+    rng = np.random.default_rng(seed)
+    short, long_ = _lognormal(rng, 256, 0.8, n, 16, 4096), _lognormal(rng, 2048, 0.5, n, 256, 8192)
+    prompt = {
+        "short": short,
+        "long": long_,
+        "sharegpt": _lognormal(rng, SHAREGPT_MEANS[0], 1.0, n, 4, 4096),
+        "shift": np.where(np.arange(n) < n // 2, short, long_),
+    }[cell.prompt]
+    out_s, out_l = _lognormal(rng, 64, 0.8, n, 4, 1024), _lognormal(rng, 384, 0.5, n, 32, 2048)
+    output = {
+        "short": out_s,
+        "long": out_l,
+        "mixed": np.where(rng.random(n) < 0.5, out_s, out_l),
+        "sharegpt": _lognormal(rng, SHAREGPT_MEANS[1], 1.0, n, 4, 2048),
+    }[cell.output]
+    accept = rng.integers(1, 5, n)  # tokens accepted per verify step
+    # Offer ~24 concurrent requests' worth of work: more than a tight budget holds.
+    rate = 24 / (float(np.mean(output / accept)) * base_step)
+    if cell.arrival == "poisson":
+        arrival = np.cumsum(rng.exponential(1 / rate, n))
+    elif cell.arrival == "bursty":
+        bursts = np.cumsum(rng.exponential(8 / rate, -(-n // 8)))
+        arrival = np.repeat(bursts, 8)[:n]
+    else:
+        arrival = np.zeros(n)
+    return {"arrival": arrival, "prompt": prompt, "output": output, "accept": accept}
+
+
+class Sim:
+    """One policy on one request trace (see the module docstring for the scheduler)."""
+
+    def __init__(self, layout: HybridLayout, budget: int, policy: str, cell: Cell, cost):
+        self.mm = MemoryManager(layout, budget, policy, **POLICY_ARGS.get(policy, {}))
+        self.natural = layout
+        self.cell, self.cost = cell, cost
+        self.lat_ns: list[int] = []
+        self.lat_n: list[int] = []
+        self.oom = self.preemptions = self.rejected = self.admission_stalls = 0
+        self.finished = 0
+
+    def _alloc(self, rid, kind, n):
+        t0 = time.perf_counter_ns()
+        try:
+            return self.mm.alloc(rid, kind, n)
+        finally:
+            self.lat_ns.append(time.perf_counter_ns() - t0)
+            self.lat_n.append(n)
+
+    def run(self, req) -> dict:
+        mm, lay = self.mm, self.natural
+        n = len(req["arrival"])
+        tpp = mm.tokens_per_page
+        arrival, prompt, output, accept = (
+            req[k] for k in ("arrival", "prompt", "output", "accept")
+        )
+        gen, pages = [0] * n, [0] * n
+        done = np.full(n, np.nan)
+        waiting: deque[int] = deque()
+        running: list[int] = []
+        scratch_kind = self.cell.spec
+        scratch_n = 1 if scratch_kind == "stash" else lay.spec_nodes
+        scratch_bytes = scratch_n * lay.unit_bytes(scratch_kind)
+        base, c_pre, c_node = self.cost
+        t, nxt, peak = 0.0, 0, 0
+        util_area = 0.0
+        while self.finished < n:
+            while nxt < n and arrival[nxt] <= t:
+                waiting.append(nxt)
+                nxt += 1
+            if not running and not waiting:
+                t = float(arrival[nxt])
+                continue
+            wall0 = time.perf_counter()
+            preempted_before = self.preemptions
+            # One verify step for the whole batch: every running request's scratch is live
+            # at once, then each commits its accepted tokens and frees its scratch.
+            batch = []
+            for r in list(running):
+                if r in running:
+                    got = self._grow(r, scratch_kind, scratch_n, running, waiting)
+                    if got is not None:
+                        batch.append((r, got))
+            nodes = lay.spec_nodes * len(batch)
+            for r, got in batch:
+                if r not in running:
+                    continue  # preempted by a later request's scratch: already freed
+                gen[r] = min(int(output[r]), gen[r] + int(accept[r]))
+                need = -(-(int(prompt[r]) + gen[r]) // tpp)
+                if need > pages[r]:
+                    if self._grow(r, "kv", need - pages[r], running, waiting) is None:
+                        continue
+                    pages[r] = need
+                mm.free(r, scratch_kind, got)
+                if gen[r] >= output[r]:
+                    mm.free(r)
+                    running.remove(r)
+                    done[r] = -1.0  # stamped with the step's end time below
+                    self.finished += 1
+            prefill = 0
+            # As vLLM's scheduler: running requests first; no new prefill in a step that
+            # had to preempt (admitting then would only thrash).
+            while waiting and self.preemptions == preempted_before:
+                r = waiting[0]
+                need = max(1, -(-(int(prompt[r]) + gen[r]) // tpp))
+                try:
+                    self._alloc(r, "state", 1)
+                    self._alloc(r, "kv", need)
+                except (OutOfMemoryError, AllocationTooLargeError) as e:
+                    if mm.handles(r):
+                        mm.free(r)
+                    if not running or isinstance(e, AllocationTooLargeError):
+                        waiting.popleft()  # cannot run even alone
+                        self.rejected += 1
+                        self.finished += 1
+                        continue
+                    self.admission_stalls += 1
+                    break
+                # SGLang-style reservation: admit only while the batch (this request included)
+                # keeps room for its next steps' scratch and RESERVE_TOKENS of KV growth each.
+                ahead = [*running, r]
+                grow = sum(min(int(output[j]) - gen[j], RESERVE_TOKENS) for j in ahead)
+                if running and not (
+                    mm.fits("kv", max(1, -(-grow // tpp)))
+                    and mm.fits(scratch_kind, scratch_n * len(ahead))
+                ):
+                    mm.free(r)
+                    self.admission_stalls += 1
+                    break
+                waiting.popleft()
+                running.append(r)
+                pages[r] = need
+                prefill += int(prompt[r]) + gen[r]
+            if mm.migrated_bytes:
+                mm.arena.buffer.block_until_ready()
+            step = base + prefill * c_pre + nodes * c_node + (time.perf_counter() - wall0)
+            peak = max(peak, len(running))
+            needed = sum(
+                lay.state_slot_bytes
+                + (int(prompt[r]) + gen[r]) * lay.kv_bytes_per_token
+                + scratch_bytes
+                for r in running
+            )
+            util_area += step * min(1.0, needed / mm.arena.nbytes)
+            t += step
+            done[done == -1.0] = t
+        stats = mm.stats()
+        lat = np.asarray(self.lat_ns) / 1e3
+        completed = int(np.sum(~np.isnan(done)))
+        return {
+            "completed": completed,
+            "rejected": self.rejected,
+            "makespan_s": t,
+            "requests_per_s": completed / t if t else 0.0,
+            "oom_events": self.oom,
+            "preemptions": self.preemptions,
+            "admission_stalls": self.admission_stalls,
+            "peak_concurrency": peak,
+            "mem_utilisation": util_area / t if t else 0.0,
+            "alloc_p50_us": float(np.percentile(lat, 50)),
+            "alloc_p99_us": float(np.percentile(lat, 99)),
+            "alloc_calls": len(lat),
+            "alloc_p99_us_single": float(np.percentile(lat[np.asarray(self.lat_n) == 1], 99)),
+            "migrations": stats["migrations"],
+            "migrated_bytes": stats["migrated_bytes"],
+            "compactions": stats["compactions"],
+            "arena_bytes": stats["arena_bytes"],
+            "tokens_per_page": stats["tokens_per_page"],
+            "latency_s": [
+                None if np.isnan(x) else float(x - a) for x, a in zip(done, arrival, strict=True)
+            ],
+        }
+
+    def _grow(self, r, kind, count, running, waiting):
+        """Allocate for running request ``r``, preempting the newest requests on OOM.
+        Returns the handles, or ``None`` when ``r`` itself was preempted or rejected (it
+        cannot run even alone)."""
+        while True:
+            try:
+                return self._alloc(r, kind, count)
+            except (OutOfMemoryError, AllocationTooLargeError):
+                self.oom += 1
+                victim = running[-1]
+                self.mm.free(victim)
+                running.remove(victim)
+                if victim != r:
+                    self.preemptions += 1
+                    waiting.appendleft(victim)
+                    continue
+                if running:
+                    self.preemptions += 1
+                    waiting.appendleft(victim)
+                else:
+                    self.rejected += 1
+                    self.finished += 1
+                return None
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, rng, reps: int = 2000):
+    """95% CI of mean(b - a) over the requests both completed (positive: ``a`` is faster)."""
+    ok = ~(np.isnan(a) | np.isnan(b))
+    d = (b - a)[ok]
+    if d.size == 0:
+        return None
+    means = d[rng.integers(0, d.size, (reps, d.size))].mean(axis=1)
+    return float(d.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def run_cell(cell: Cell, preset: dict, seed: int) -> dict:
+    spec = CONFIGS[cell.config]
+    layout = layout_for(
+        spec["config"], preset["page_size"], num_layers=4, spec_nodes=preset["spec_nodes"]
+    )
+    budget = preset["budgets"][cell.budget] * layout.state_slot_bytes
+    req = make_requests(cell, preset["requests"], seed, spec["cost"][0])
+    out = {
+        "cell": dataclasses.asdict(cell),
+        "name": cell.name,
+        "budget_bytes": budget,
+        "policies": {},
+    }
+    for policy in POLICIES:
+        out["policies"][policy] = Sim(layout, budget, policy, cell, spec["cost"]).run(req)
+    rng = np.random.default_rng(seed)
+    lat = {
+        p: np.array([np.nan if x is None else x for x in m["latency_s"]])
+        for p, m in out["policies"].items()
+    }
+    out["ci_latency_s"] = {}
+    for base in POLICIES[1:]:
+        ci = paired_bootstrap(lat["avmp"], lat[base], rng)
+        verdict = "n/a"
+        if ci is not None:
+            verdict = "avmp better" if ci[1] > 0 else "avmp worse" if ci[2] < 0 else "tie"
+        out["ci_latency_s"][base] = {
+            "mean_gain": ci and ci[0],
+            "lo": ci and ci[1],
+            "hi": ci and ci[2],
+            "verdict": verdict,
+        }
+    return out
+
+
+def summarise(results: list[dict], seed: int) -> dict:
+    """Across cells: per policy means, and AVMP/baseline throughput ratio with a paired
+    bootstrap over cells (geometric mean)."""
+    rng = np.random.default_rng(seed)
+    summary = {}
+    for p in POLICIES:
+        rows = [r["policies"][p] for r in results]
+        summary[p] = {
+            k: float(np.mean([x[k] for x in rows]))
+            for k in (
+                "requests_per_s",
+                "preemptions",
+                "oom_events",
+                "peak_concurrency",
+                "mem_utilisation",
+                "alloc_p50_us",
+                "alloc_p99_us",
+                "alloc_p99_us_single",
+                "migrations",
+                "migrated_bytes",
+                "rejected",
+            )
+        }
+        summary[p]["alloc_p99_us_max"] = float(max(x["alloc_p99_us"] for x in rows))
+    for base in POLICIES[1:]:
+        # Cells where either side completed nothing have no finite ratio: counted apart.
+        pairs = [
+            (r["policies"]["avmp"]["requests_per_s"], r["policies"][base]["requests_per_s"])
+            for r in results
+        ]
+        logr = np.array([math.log(a / b) for a, b in pairs if a > 0 and b > 0])
+        boots = logr[rng.integers(0, logr.size, (2000, logr.size))].mean(axis=1)
+        verdicts = [r["ci_latency_s"][base]["verdict"] for r in results]
+        summary[f"avmp_vs_{base}"] = {
+            "throughput_ratio_geomean": math.exp(logr.mean()),
+            "ci95": [math.exp(np.percentile(boots, 2.5)), math.exp(np.percentile(boots, 97.5))],
+            "cells_only_avmp_completes": sum(a > 0 and b == 0 for a, b in pairs),
+            "cells_only_baseline_completes": sum(a == 0 and b > 0 for a, b in pairs),
+            "cells_latency_better": verdicts.count("avmp better"),
+            "cells_latency_tie": verdicts.count("tie"),
+            "cells_latency_worse": verdicts.count("avmp worse"),
+        }
+    return summary
+
+
+def print_table(results: list[dict], summary: dict, per_cell: bool) -> None:
+    cols = (
+        "req/s",
+        "preempt",
+        "oom",
+        "peak",
+        "util",
+        "p50us",
+        "p99us",
+        "p99us n=1",
+        "migr",
+        "MB moved",
+    )
+    keys = (
+        "requests_per_s",
+        "preemptions",
+        "oom_events",
+        "peak_concurrency",
+        "mem_utilisation",
+        "alloc_p50_us",
+        "alloc_p99_us",
+        "alloc_p99_us_single",
+        "migrations",
+        "migrated_bytes",
+    )
+
+    def row(label, m):
+        vals = [m[k] / 1e6 if k == "migrated_bytes" else m[k] for k in keys]
+        return f"{label:<16}" + "".join(f"{v:>10.3g}" for v in vals)
+
+    header = f"{'policy':<16}" + "".join(f"{c:>10}" for c in cols)
+    if per_cell:
+        for r in results:
+            print(f"\n== {r['name']}  (budget {r['budget_bytes'] / 2**20:.0f} MiB)")
+            print(header)
+            for p in POLICIES:
+                print(row(p, r["policies"][p]))
+            print(
+                "  avmp vs baseline, mean request latency gain [95% CI] s: "
+                + "; ".join(
+                    f"{b}: {c['mean_gain']:.3g} [{c['lo']:.3g}, {c['hi']:.3g}] {c['verdict']}"
+                    if c["mean_gain"] is not None
+                    else f"{b}: n/a"
+                    for b, c in r["ci_latency_s"].items()
+                )
+            )
+    print(f"\n== mean over {len(results)} cells")
+    print(header)
+    for p in POLICIES:
+        print(row(p, summary[p]))
+    for base in POLICIES[1:]:
+        s = summary[f"avmp_vs_{base}"]
+        print(
+            f"avmp / {base:<15} throughput x{s['throughput_ratio_geomean']:.3f} "
+            f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]  latency cells better/tie/worse "
+            f"{s['cells_latency_better']}/{s['cells_latency_tie']}/{s['cells_latency_worse']}"
+            f"  only-avmp/only-base complete {s['cells_only_avmp_completes']}/"
+            f"{s['cells_only_baseline_completes']}"
+        )
+
+
+def write_png(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for p in POLICIES[1:]:
+        ratios = sorted(
+            r["policies"]["avmp"]["requests_per_s"] / max(r["policies"][p]["requests_per_s"], 1e-12)
+            for r in results
+        )
+        ax.plot(ratios, label=f"avmp / {p}")
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_yscale("log")
+    ax.set_xlabel("cell (sorted)")
+    ax.set_ylabel("completed requests/s ratio")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _progress(done: int, total: int, t0: float) -> None:
+    frac = done / total
+    eta = (time.perf_counter() - t0) / max(done, 1) * (total - done)
+    bar = "#" * int(30 * frac)
+    sys.stderr.write(f"\r[{bar:<30}] {done}/{total} cells, eta {eta:5.0f}s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _run_indexed(args):
+    i, cell, preset, seed = args
+    return i, run_cell(cell, preset, seed + i)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    ap.add_argument("--json", metavar="PATH", help="write every cell's metrics here")
+    ap.add_argument("--png", metavar="PATH", help="plot of AVMP/baseline throughput per cell")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, help="override the preset's requests per cell")
+    ap.add_argument("--limit", type=int, help="run only the first LIMIT cells")
+    ap.add_argument("--workers", type=int, default=1, help="processes (spawned) for the cells")
+    args = ap.parse_args(argv)
+    preset = dict(PRESETS[args.preset])
+    if args.requests:
+        preset["requests"] = args.requests
+    cells = preset.pop("cells")[: args.limit]
+    t0 = time.perf_counter()
+    results: list[dict | None] = [None] * len(cells)
+    jobs = [(i, c, preset, args.seed) for i, c in enumerate(cells)]
+    if args.workers > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=ctx) as ex:
+            for k, (i, res) in enumerate(ex.map(_run_indexed, jobs)):
+                results[i] = res
+                _progress(k + 1, len(cells), t0)
+    else:
+        for k, job in enumerate(jobs):
+            i, results[i] = _run_indexed(job)
+            _progress(k + 1, len(cells), t0)
+    summary = summarise(results, args.seed)
+    print_table(results, summary, per_cell=len(results) <= 8)
+    print(
+        f"\n{len(cells)} cells x {len(POLICIES)} policies in {time.perf_counter() - t0:.1f}s "
+        f"on {jax.devices()[0].platform}"
+    )
+    report = {
+        "preset": args.preset,
+        "preset_params": {k: v for k, v in preset.items()},
+        "seed": args.seed,
+        "policy_args": POLICY_ARGS,
+        "configs": CONFIGS,
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "host": platform.platform(),
+        "cpus": os.cpu_count(),
+        "summary": summary,
+        "cells": results,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.png:
+        write_png(results, args.png)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Gated full attention of Qwen3-Next / Qwen3.5.
+
+``q_proj`` yields, per head, the query and an output gate (``[q_h | gate_h]``); q and k get a
+zero-centred RMSNorm per head, then partial RoPE; GQA softmax attention; the output is multiplied
+by ``sigmoid(gate)`` before ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.linear import Linear
+from gdn_jax.models.norm import RMSNorm
+from gdn_jax.models.rope import apply_rope
+from gdn_jax.models.tree_attention import attend
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, hq, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        hkv = cfg.num_key_value_heads
+        self.q_proj = Linear(h, hq * d * (2 if cfg.attn_output_gate else 1), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, hkv * d, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, hkv * d, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(hq * d, h, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.cfg = cfg
+        self.scale = d**-0.5
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        """``(q [B, T, Hq, D], k, v [B, T, Hkv, D], gate [B, T, Hq * D] | None)``, roped at
+        ``positions [B, T]``."""
+        cfg = self.cfg
+        b, t = x.shape[:2]
+        d = cfg.head_dim
+        qg = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, -1)
+        q, gate = qg[..., :d], (qg[..., d:].reshape(b, t, -1) if cfg.attn_output_gate else None)
+        k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, d)
+        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, d)
+        rope = dict(rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
+        q = apply_rope(self.q_norm(q), positions, **rope)
+        k = apply_rope(self.k_norm(k), positions, **rope)
+        return q, k, v, gate
+
+    def finish(self, o: jax.Array, gate: jax.Array | None) -> jax.Array:
+        o = o.reshape(*o.shape[:2], -1)
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate)
+        return self.o_proj(o)
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Causal self-attention over ``x [B, T, H]`` (no cache); positions default to
+        ``0..T-1``."""
+        b, t = x.shape[:2]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        q, k, v, gate = self.project(x, positions)
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        return self.finish(attend(q, k, v, causal, self.scale), gate)

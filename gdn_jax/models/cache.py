@@ -1,0 +1,99 @@
+"""Cache pytrees of the step functions: GDN states, paged KV, and a verified draft tree.
+
+``ModelCache`` (per request row ``b``; GDN layers stacked on axis 0 in layer order, attention
+layers likewise):
+
+- ``conv [Lg, B, W-1, C]`` (model dtype): the last ``W-1`` pre-conv inputs of each GDN layer;
+- ``ssm [Lg, B, Hv, K, V]`` (f32): the recurrent states;
+- ``k_pages, v_pages [La, P, S, Hkv, D]``: one page pool per attention layer;
+- ``page_table int32 [B, MP]``: row ``b``'s logical page ``j`` is physical page
+  ``page_table[b, j]`` (all layers share it; ``-1`` = unmapped);
+- ``lengths int32 [B]``: committed tokens ``L`` per row.
+
+``TreeState`` is what ``verify_tree`` hands to ``commit``: per GDN layer a :class:`TreeCache`
+and the pre-conv inputs of the nodes, per attention layer the draft K/V of the nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gdn_jax import TreeCache
+from gdn_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCache:
+    conv: jax.Array
+    ssm: jax.Array
+    k_pages: jax.Array
+    v_pages: jax.Array
+    page_table: jax.Array
+    lengths: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeState:
+    gdn: tuple[TreeCache, ...]
+    conv_in: jax.Array  # [Lg, B, N, C]
+    draft_k: jax.Array  # [La, B, N, Hkv, D]
+    draft_v: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    ModelCache,
+    data_fields=["conv", "ssm", "k_pages", "v_pages", "page_table", "lengths"],
+    meta_fields=[],
+)
+jax.tree_util.register_dataclass(
+    TreeState, data_fields=["gdn", "conv_in", "draft_k", "draft_v"], meta_fields=[]
+)
+
+
+def contiguous_page_table(batch: int, pages_per_seq: int) -> jax.Array:
+    """Row ``b`` owns physical pages ``b * pages_per_seq ...`` (a stand-in for the memory
+    manager)."""
+    return jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq)
+
+
+def init_cache(
+    cfg: ModelConfig,
+    batch: int,
+    *,
+    max_len: int,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    page_table: jax.Array | None = None,
+    dtype=jnp.bfloat16,
+) -> ModelCache:
+    """An empty cache for ``batch`` rows of up to ``max_len`` tokens (``L = 0``).
+
+    Without ``page_table``, each row gets its own contiguous run of pages.
+    """
+    mp = -(-max_len // page_size)
+    if page_table is None:
+        page_table = contiguous_page_table(batch, mp)
+    if num_pages is None:
+        num_pages = batch * mp
+    lg, la = len(cfg.gdn_layers), len(cfg.attn_layers)
+    kv = (la, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    return ModelCache(
+        conv=jnp.zeros((lg, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
+        ssm=jnp.zeros(
+            (
+                lg,
+                batch,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+            ),
+            jnp.float32,
+        ),
+        k_pages=jnp.zeros(kv, dtype),
+        v_pages=jnp.zeros(kv, dtype),
+        page_table=jnp.asarray(page_table, jnp.int32),
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )

@@ -1,0 +1,119 @@
+"""The Gated DeltaNet token mixer of Qwen3-Next / Qwen3.5 (DESIGN.md section 2).
+
+Per token: ``[q | k | v] = conv(in_proj_qkv(x))`` (depthwise causal conv, SiLU),
+``z = in_proj_z(x)``, ``beta = sigmoid(in_proj_b(x))``,
+``g = -exp(A_log) softplus(in_proj_a(x) + dt_bias)``; the gated delta rule with q/k l2norm; then
+``out_proj(gated_rmsnorm(o, z))`` per value head. Qwen3-Next's fused ``in_proj_qkvz`` /
+``in_proj_ba`` (grouped per key head) are split into this layout when loading.
+
+Caches: ``conv_state [B, W-1, C]`` (the last pre-conv inputs, model dtype) and the recurrent state
+``[B, Hv, K, V]`` (f32).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn_jax import (
+    TreeCache,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    tree_causal_conv1d,
+    tree_verify,
+)
+from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.linear import Linear, normal_init
+from gdn_jax.models.norm import GatedRMSNorm
+
+
+def conv_state_after(conv_state: jax.Array, x: jax.Array, num_tokens: jax.Array) -> jax.Array:
+    """The last ``W-1`` inputs of ``concat(conv_state, x[b, :num_tokens[b]])``: ``[B, W-1, C]``."""
+    wm1 = conv_state.shape[1]
+    full = jnp.concatenate([conv_state, x.astype(conv_state.dtype)], axis=1)
+    idx = num_tokens.astype(jnp.int32)[:, None] + jnp.arange(wm1)[None, :]
+    return jnp.take_along_axis(full, idx[:, :, None], axis=1)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+        self.in_proj_qkv = Linear(h, cfg.conv_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_z = Linear(h, cfg.linear_value_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear(h, hv, dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear(h, hv, dtype=dtype, rngs=rngs)
+        self.conv_weight = nnx.Param(
+            normal_init(rngs, (cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype, std=0.2)
+        )
+        self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
+        a = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)
+        self.A_log = nnx.Param(jnp.log(a))
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(cfg.linear_value_dim, h, dtype=dtype, rngs=rngs)
+        self.cfg = cfg
+
+    def project(self, x: jax.Array):
+        """``(qkv [B, T, C] pre-conv, z [B, T, Hv, V], g f32 [B, T, Hv], beta f32 [B, T, Hv])``."""
+        cfg = self.cfg
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(*x.shape[:2], cfg.linear_num_value_heads, -1)
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
+        return qkv, z, g, beta
+
+    def split(self, mixed: jax.Array):
+        """``[q | k | v]`` channels to ``q, k [B, T, Hk, K]`` and ``v [B, T, Hv, V]``."""
+        cfg = self.cfg
+        b, t = mixed.shape[:2]
+        kd = cfg.linear_key_dim
+        q = mixed[..., :kd].reshape(b, t, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        k = mixed[..., kd : 2 * kd].reshape(b, t, cfg.linear_num_key_heads, -1)
+        v = mixed[..., 2 * kd :].reshape(b, t, cfg.linear_num_value_heads, -1)
+        return q, k, v
+
+    def finish(self, o: jax.Array, z: jax.Array) -> jax.Array:
+        y = self.norm(o, z)
+        return self.out_proj(y.reshape(*y.shape[:2], -1))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        conv_state: jax.Array | None = None,
+        ssm_state: jax.Array | None = None,
+        *,
+        num_tokens: jax.Array | None = None,
+        recurrent: bool = False,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A sequence ``x [B, T, H]`` continuing from the caches (zeros when ``None``).
+
+        Only the first ``num_tokens[b]`` tokens of row ``b`` update the caches (the rest get
+        ``beta = 0, g = 0``, which leaves the state unchanged). ``recurrent`` picks the
+        token-by-token rule (decode) over the chunked one. Returns ``(y, conv_state, ssm_state)``.
+        """
+        qkv, z, g, beta = self.project(x)
+        b, t = x.shape[:2]
+        if conv_state is None:
+            conv_state = jnp.zeros((b, self.cfg.linear_conv_kernel_dim - 1, qkv.shape[-1]), x.dtype)
+        mixed, new_conv = causal_conv1d(qkv, self.conv_weight[...], conv_state)
+        if num_tokens is not None:
+            live = (jnp.arange(t)[None, :] < num_tokens[:, None])[..., None]
+            g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+            new_conv = conv_state_after(conv_state, qkv, num_tokens)
+        q, k, v = self.split(mixed)
+        rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+        o, new_ssm = rule(q, k, v, g, beta, ssm_state, use_qk_l2norm=True)
+        return self.finish(o, z), new_conv, new_ssm
+
+    def tree(
+        self, x: jax.Array, parents: jax.Array, conv_state: jax.Array, ssm_state: jax.Array
+    ) -> tuple[jax.Array, TreeCache, jax.Array]:
+        """Every draft node ``x [B, N, H]`` over its own path (conv by the tree conv, the rule by
+        ``tree_verify``). Returns ``(y, TreeCache, qkv pre-conv [B, N, C])`` for the commit."""
+        qkv, z, g, beta = self.project(x)
+        mixed = tree_causal_conv1d(qkv, parents, conv_state, self.conv_weight[...])
+        q, k, v = self.split(mixed)
+        o, cache = tree_verify(q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True)
+        return self.finish(o, z), cache, qkv

@@ -1,0 +1,71 @@
+"""The hybrid Qwen3-Next / Qwen3.5 causal LM as a Flax NNX module."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.layer import DecoderLayer
+from gdn_jax.models.linear import Linear, matmul_precision, normal_init
+from gdn_jax.models.mtp import MTP
+from gdn_jax.models.norm import RMSNorm
+
+
+class HybridLM(nnx.Module):
+    """Embeddings, ``num_hidden_layers`` decoder layers in the ``layer_types`` pattern, final
+    norm, LM head (tied to the embeddings when ``tie_word_embeddings``), optional MTP head."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = nnx.Param(normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List(
+            [
+                DecoderLayer(cfg, t, cfg.is_moe_layer(i), dtype=dtype, rngs=rngs)
+                for i, t in enumerate(cfg.layer_types)
+            ]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        )
+        self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if cfg.mtp_num_hidden_layers else None
+
+    def embed(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T H"]:
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0)
+
+    def logits(self, hidden: Float[Array, "B T H"]) -> Float[Array, "B T V"]:
+        """LM head on already-normed hidden states."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        w = self.embed_tokens[...]
+        return jnp.einsum(
+            "...h,vh->...v", hidden.astype(w.dtype), w, precision=matmul_precision(w.dtype)
+        )
+
+    def hidden_states(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T H"]:
+        """Final normed hidden states of a fresh sequence (no cache)."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+    def __call__(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+        """Logits ``[B, T, vocab]`` of a fresh sequence."""
+        return self.logits(self.hidden_states(input_ids))
+
+    def mtp_logits(
+        self, hidden: Float[Array, "B T H"], next_ids: Int[Array, "B T"]
+    ) -> Float[Array, "B T V"]:
+        """MTP draft logits for token ``t + 2`` from ``hidden[t]`` and token ``next_ids[t]``."""
+        if self.mtp is None:
+            raise ValueError("mtp: this model has no MTP head (mtp_num_hidden_layers == 0)")
+        return self.logits(self.mtp(self.embed(next_ids), hidden))
+
+
+def param_count(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

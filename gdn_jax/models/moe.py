@@ -1,0 +1,75 @@
+"""Sparse MoE block: softmax router, top-k routed SwiGLU experts, sigmoid-gated shared expert.
+
+``p = softmax(x Wr^T)`` (f32), the top-k of ``p`` (renormalised to sum 1 when
+``norm_topk_prob``) weight the selected experts; the shared expert is added as
+``sigmoid(x w_g) * shared(x)``. Routed experts run as grouped matmuls (``lax.ragged_dot``) over
+the token-expert pairs sorted by expert, so compute scales with ``k``, not with the expert count.
+Expert weights are stored input-major for ``ragged_dot``: ``gate_proj, up_proj: [E, H, I]``,
+``down_proj: [E, I, H]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn_jax.models.linear import Linear, matmul_precision, normal_init
+from gdn_jax.models.mlp import MLP
+
+
+class SparseMoE(nnx.Module):
+    def __init__(
+        self,
+        hidden: int,
+        *,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        shared_intermediate: int,
+        norm_topk_prob: bool,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.gate = Linear(hidden, num_experts, dtype=dtype, rngs=rngs)  # the router
+        self.gate_proj = nnx.Param(normal_init(rngs, (num_experts, hidden, intermediate), dtype))
+        self.up_proj = nnx.Param(normal_init(rngs, (num_experts, hidden, intermediate), dtype))
+        self.down_proj = nnx.Param(normal_init(rngs, (num_experts, intermediate, hidden), dtype))
+        self.shared_expert = MLP(hidden, shared_intermediate, dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = Linear(hidden, 1, dtype=dtype, rngs=rngs)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(weights [M, k] in x's dtype, expert ids int32 [M, k])`` for ``x: [M, H]``."""
+        logits = self.gate(x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        top_p, top_i = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        return top_p.astype(logits.dtype), top_i.astype(jnp.int32)
+
+    def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """Sum over the ``k`` selected experts of ``weight * expert(x)``; ``x: [M, H]``."""
+        m, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        gw, uw, dw = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+        prec = matmul_precision(gw.dtype)
+        xs = x[token].astype(gw.dtype)
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, gw, sizes, precision=prec))
+        h = h * jax.lax.ragged_dot(xs, uw, sizes, precision=prec)
+        y = jax.lax.ragged_dot(h, dw, sizes, precision=prec)
+        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+        return jnp.zeros((m, x.shape[-1]), y.dtype).at[token].add(y)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x2)
+        out = self.routed(x2, weights, experts)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+        return (out + shared).astype(x.dtype).reshape(shape)

@@ -1,0 +1,197 @@
+"""Pure step functions of the hybrid model: caches in, caches out, static shapes.
+
+- :func:`prefill`: ``T`` new tokens per row after the committed ``L`` (chunked GDN, attention
+  writing its K/V into the pages at ``L .. L+n-1``);
+- :func:`decode`: one token per row (recurrent GDN step);
+- :func:`verify_tree`: a draft tree of ``N`` nodes per row through every layer, leaving the
+  cache untouched: GDN by ``tree_verify``, conv by ``tree_causal_conv1d``, attention by a tree
+  mask over the committed paged KV plus the draft K/V of each node's path, node ``n`` at
+  position ``L + depth(n)`` (DESIGN.md section 3);
+- :func:`commit`: the accepted chain ``path[:path_len]``: GDN by ``tree_commit``, conv by
+  ``tree_conv_commit``, the accepted nodes' K/V written at ``L .. L+m-1``, ``L += m``.
+
+Each takes the model first; jit them with ``nnx.jit`` (or split the model and close over the
+graph). ``verify_tree`` then ``commit`` then ``decode(next)`` equals decoding the accepted
+tokens one by one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from gdn_jax import ancestor_closure, tree_commit, tree_conv_commit
+from gdn_jax.models.cache import ModelCache, TreeState
+from gdn_jax.models.config import LINEAR
+from gdn_jax.models.model import HybridLM
+from gdn_jax.models.tree_attention import paged_attention, write_pages
+
+
+def _sequence(
+    model: HybridLM,
+    tokens: jax.Array,
+    cache: ModelCache,
+    num_tokens: jax.Array,
+    *,
+    recurrent: bool,
+) -> tuple[jax.Array, ModelCache]:
+    """Normed hidden states ``[B, T, H]`` of ``tokens`` appended at ``cache.lengths``."""
+    b, t = tokens.shape
+    start = cache.lengths
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t)[None, :] < num_tokens[:, None]
+    kv_len = start + num_tokens
+    conv, ssm, k_pages, v_pages = cache.conv, cache.ssm, cache.k_pages, cache.v_pages
+    gi = ai = 0
+    x = model.embed(tokens)
+    for layer in model.layers:
+        h = layer.input_layernorm(x)
+        if layer.layer_type == LINEAR:
+            mixed, c, s = layer.linear_attn(
+                h, conv[gi], ssm[gi], num_tokens=num_tokens, recurrent=recurrent
+            )
+            conv, ssm = conv.at[gi].set(c), ssm.at[gi].set(s)
+            gi += 1
+        else:
+            attn = layer.self_attn
+            q, k, v, gate = attn.project(h, positions)
+            kp = write_pages(k_pages[ai], cache.page_table, positions, k, valid)
+            vp = write_pages(v_pages[ai], cache.page_table, positions, v, valid)
+            o = paged_attention(q, kp, vp, cache.page_table, kv_len, positions, scale=attn.scale)
+            k_pages, v_pages = k_pages.at[ai].set(kp), v_pages.at[ai].set(vp)
+            mixed = attn.finish(o, gate)
+            ai += 1
+        x = layer.ffn(x + mixed)
+    new = ModelCache(conv, ssm, k_pages, v_pages, cache.page_table, kv_len.astype(jnp.int32))
+    return model.norm(x), new
+
+
+def prefill(
+    model: HybridLM,
+    tokens: Int[Array, "B T"],
+    cache: ModelCache,
+    num_tokens: Int[Array, " B"] | None = None,
+    *,
+    all_logits: bool = False,
+    return_hidden: bool = False,
+):
+    """Appends ``tokens[b, :num_tokens[b]]`` (default: all ``T``) to each row.
+
+    Returns ``(logits, cache)``: logits ``[B, T, V]`` when ``all_logits`` (rows past
+    ``num_tokens`` unspecified), else ``[B, V]`` at each row's last new token. With
+    ``return_hidden``, also the normed hidden states at the same positions (the MTP drafter's
+    input): ``(logits, cache, hidden)``.
+    """
+    b, t = tokens.shape
+    if num_tokens is None:
+        num_tokens = jnp.full((b,), t, jnp.int32)
+    num_tokens = num_tokens.astype(jnp.int32)
+    hidden, cache = _sequence(model, tokens, cache, num_tokens, recurrent=False)
+    if not all_logits:
+        hidden = jnp.take_along_axis(
+            hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1
+        )[:, 0]
+    if return_hidden:
+        return model.logits(hidden), cache, hidden
+    return model.logits(hidden), cache
+
+
+def decode(
+    model: HybridLM, tokens: Int[Array, " B"], cache: ModelCache
+) -> tuple[Float[Array, "B V"], ModelCache]:
+    """One token per row: ``(logits [B, V], cache)`` with ``lengths + 1``."""
+    b = tokens.shape[0]
+    hidden, cache = _sequence(
+        model, tokens[:, None], cache, jnp.ones((b,), jnp.int32), recurrent=True
+    )
+    return model.logits(hidden[:, 0]), cache
+
+
+def verify_tree(
+    model: HybridLM,
+    tokens: Int[Array, "B N"],
+    parents: Int[Array, "B N"],
+    cache: ModelCache,
+    *,
+    return_hidden: bool = False,
+):
+    """Logits of every draft node as if its root-to-node path had been decoded after the
+    committed tokens; the cache is not modified. Returns ``(logits [B, N, V], TreeState)``,
+    and the nodes' normed hidden states ``[B, N, H]`` third with ``return_hidden``."""
+    b, n = tokens.shape
+    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
+    incl = ancestor_closure(parents)  # [B, N, N]: i on path(n)
+    positions = cache.lengths[:, None] + jnp.sum(incl, axis=-1, dtype=jnp.int32) - 1
+    gdn, conv_in, dks, dvs = [], [], [], []
+    gi = ai = 0
+    x = model.embed(tokens)
+    for layer in model.layers:
+        h = layer.input_layernorm(x)
+        if layer.layer_type == LINEAR:
+            mixed, tc, qkv = layer.linear_attn.tree(h, parents, cache.conv[gi], cache.ssm[gi])
+            gdn.append(tc)
+            conv_in.append(qkv)
+            gi += 1
+        else:
+            attn = layer.self_attn
+            q, k, v, gate = attn.project(h, positions)
+            o = paged_attention(
+                q,
+                cache.k_pages[ai],
+                cache.v_pages[ai],
+                cache.page_table,
+                cache.lengths,
+                positions,
+                scale=attn.scale,
+                draft_k=k,
+                draft_v=v,
+                draft_mask=incl,
+            )
+            dks.append(k)
+            dvs.append(v)
+            mixed = attn.finish(o, gate)
+            ai += 1
+        x = layer.ffn(x + mixed)
+    state = TreeState(tuple(gdn), _stack(conv_in), _stack(dks), _stack(dvs))
+    hidden = model.norm(x)
+    if return_hidden:
+        return model.logits(hidden), state, hidden
+    return model.logits(hidden), state
+
+
+def _stack(xs: list[jax.Array]) -> jax.Array:
+    return jnp.stack(xs) if xs else jnp.zeros((0,), jnp.float32)
+
+
+def commit(
+    cache: ModelCache,
+    tree: TreeState,
+    path: Int[Array, "B D"],
+    path_len: Int[Array, " B"],
+) -> ModelCache:
+    """The cache after accepting ``path[b, :path_len[b]]`` (node ids, root to leaf)."""
+    path = jnp.asarray(path, jnp.int32)
+    path_len = jnp.asarray(path_len, jnp.int32)
+    b, d = path.shape
+    conv = cache.conv
+    ssm = cache.ssm
+    for gi, tc in enumerate(tree.gdn):
+        ssm = ssm.at[gi].set(tree_commit(cache.ssm[gi], tc, path, path_len))
+        conv = conv.at[gi].set(tree_conv_commit(tree.conv_in[gi], cache.conv[gi], path, path_len))
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    if k_pages.shape[0]:
+        n = tree.draft_k.shape[2]
+        node = jnp.clip(path, 0, n - 1)[:, :, None, None]
+        positions = cache.lengths[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :]
+        valid = jnp.arange(d)[None, :] < path_len[:, None]
+        for ai in range(k_pages.shape[0]):
+            k = jnp.take_along_axis(tree.draft_k[ai], node, axis=1)
+            v = jnp.take_along_axis(tree.draft_v[ai], node, axis=1)
+            k_pages = k_pages.at[ai].set(
+                write_pages(k_pages[ai], cache.page_table, positions, k, valid)
+            )
+            v_pages = v_pages.at[ai].set(
+                write_pages(v_pages[ai], cache.page_table, positions, v, valid)
+            )
+    return ModelCache(conv, ssm, k_pages, v_pages, cache.page_table, cache.lengths + path_len)

@@ -1,0 +1,25 @@
+"""Pallas GPU kernels (Triton lowering) for the gated delta rule: tree WY verify and commit,
+chunked prefill, and the per-node snapshot verify baseline. Imports jax only (DESIGN.md section 5).
+
+Each op lives in its own module with a frozen dataclass of static tuning knobs, a kernel body that
+takes refs, and a thin wrapper that builds the grid and takes ``interpret=`` so CPU CI runs it.
+"""
+
+from pallas_kernels.chunk import GPU_MAX_CHUNK, ChunkBlocks, chunk_gated_delta_rule
+from pallas_kernels.snapshot_verify import SnapshotBlocks, snapshot_verify
+from pallas_kernels.tree_commit import CommitBlocks, tree_commit
+from pallas_kernels.tree_verify import GPU_MAX_NODES, MAX_NODES, VerifyBlocks, tree_verify
+
+__all__ = [
+    "GPU_MAX_CHUNK",
+    "GPU_MAX_NODES",
+    "MAX_NODES",
+    "ChunkBlocks",
+    "CommitBlocks",
+    "SnapshotBlocks",
+    "VerifyBlocks",
+    "chunk_gated_delta_rule",
+    "snapshot_verify",
+    "tree_commit",
+    "tree_verify",
+]

@@ -1,0 +1,124 @@
+"""In-kernel math shared by the WY kernels (tree verify, chunk prefill) and the input checks.
+
+The helpers below act on values already loaded from refs; every array is 2-D or 1-D with
+power-of-two sides (the Triton lowering's rule), and every dot is a plain 2-D matmul.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+L2NORM_EPS = 1e-6
+F32 = jnp.float32
+PRECISIONS = {
+    "highest": jax.lax.Precision.HIGHEST,
+    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+}
+FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def dot_precision(name: str, interpret: bool):
+    """The ``dot_general`` precision for a ``*Blocks.precision`` name (CPU lacks tf32x3)."""
+    if name not in PRECISIONS:
+        raise ValueError(f"blocks.precision: one of {tuple(PRECISIONS)}, got {name!r}")
+    if interpret and name == "tf32x3":
+        return PRECISIONS["highest"]
+    return PRECISIONS[name]
+
+
+def next_pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def check_pow2_dim(name: str, size: int, lo: int = 16, hi: int = 256) -> None:
+    if size < lo or size > hi or size & (size - 1):
+        raise ValueError(
+            f"{name}: the Pallas kernels need a power of two in [{lo}, {hi}], got {size}"
+        )
+
+
+def check_float(name: str, x: jax.Array) -> None:
+    if jnp.dtype(x.dtype) not in FLOAT_INPUTS:
+        raise ValueError(
+            f"{name}: the Pallas kernels accept float32, bfloat16 or float16, got {x.dtype}"
+        )
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pads ``axis`` of ``x`` up to ``size`` with ``value`` (no copy when already that size)."""
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def dot(a: jax.Array, b: jax.Array, precision, *, trans_a: bool = False, trans_b: bool = False):
+    """``a @ b`` (optionally transposed operands) with f32 accumulation."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
+
+
+def l2norm_rows(x: jax.Array) -> jax.Array:
+    """``x * rsqrt(sum(x * x, -1) + 1e-6)`` row-wise, in f32 (DESIGN.md section 2)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def prep_rows(x: jax.Array, use_l2norm: bool, scale: float | None = None) -> jax.Array:
+    x = x.astype(F32)
+    if use_l2norm:
+        x = l2norm_rows(x)
+    return x if scale is None else x * scale
+
+
+def ancestor_closure(parents: jax.Array) -> jax.Array:
+    """bool ``[N, N]`` inclusive ancestor mask ``P`` from int32 parent ids ``[N]``.
+
+    Repeated squaring of ``I + onehot(parent)``; entries are path counts <= N <= 2048, exact in a
+    tf32 (default-precision) dot, so the fast tensor-core dot is used.
+    """
+    n = parents.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    reach = ((parents[:, None] == col) | (row == col)).astype(F32)
+    for _ in range(max(n - 1, 1).bit_length()):
+        reach = jnp.minimum(dot(reach, reach, None), 1.0)
+    return reach > 0.5
+
+
+def masked_decay(gi: jax.Array, gj: jax.Array, mask: jax.Array) -> jax.Array:
+    """``where(mask, exp(gi - gj), 0)`` with the difference masked before ``exp``."""
+    return jnp.where(mask, jnp.exp(jnp.where(mask, gi - gj, 0.0)), 0.0)
+
+
+def unit_lower_inverse(a: jax.Array, precision) -> jax.Array:
+    """``(I + A)^-1`` for strictly lower-triangular ``A [N, N]`` by product doubling.
+
+    ``(I + A)^-1 = (I - A)(I + A^2)(I + A^4)...``: exact since ``A^N = 0``; ``2 ceil(log2 N) - 1``
+    matmuls, all on the tensor cores when the precision allows.
+    """
+    n = a.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    t = jnp.where(row == col, 1.0, 0.0) - a
+    p = a
+    for _ in range(max(n - 1, 1).bit_length() - 1):
+        p = dot(p, p, precision)
+        t = t + dot(t, p, precision)
+    return t
+
+
+def wy_block(q, k, v, beta, g_path, decay, strict, s0, precision):
+    """One WY block: ``U = (I + A)^-1 diag(beta) (V - diag(e^G) K S0)`` and
+    ``O = diag(e^G) Q S0 + ((Q K^T) * D) U`` (DESIGN.md section 3). All f32; returns ``(o, u)``.
+    """
+    kk = dot(k, k, precision, trans_b=True)
+    a = beta[:, None] * jnp.where(strict, decay, 0.0) * kk
+    eg = jnp.exp(g_path)[:, None]
+    rhs = beta[:, None] * (v - eg * dot(k, s0, precision))
+    u = dot(unit_lower_inverse(a, precision), rhs, precision)
+    att = dot(q, k, precision, trans_b=True) * decay
+    o = eg * dot(q, s0, precision) + dot(att, u, precision)
+    return o, u

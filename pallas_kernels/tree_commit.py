@@ -1,0 +1,123 @@
+"""Commit of an accepted chain of a verified draft tree (DESIGN.md section 3), in place.
+
+    S_new = exp(G_last) S0 + K^T (c * U),   c_n = exp(G_last - G_n) if n on the path else 0
+
+which equals ``exp(G_last) S0 + K_path^T (w * U_path)``: the path selection is a mask over the
+node axis instead of a gather (paths are distinct nodes). One program per (batch row, value head,
+block of value columns); ``S0`` is aliased to the output, so a donated state is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._wy import (
+    F32,
+    check_float,
+    check_pow2_dim,
+    dot,
+    dot_precision,
+    masked_decay,
+    next_pow2,
+    pad_axis,
+    prep_rows,
+)
+from pallas_kernels.tree_verify import MAX_NODES
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitBlocks:
+    """Static knobs: value columns per program, Triton warps/stages, dot precision name.
+
+    ``precision``: ``"tf32x3"`` (three tf32 passes on the tensor cores, f32-level accuracy; CPU
+    has no tf32, so interpret mode runs it as ``"highest"``), ``"highest"`` (IEEE f32 FMAs, slow
+    in Triton) or ``"bf16x3"``.
+    """
+
+    block_v: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    precision: str = "tf32x3"
+
+
+def _kernel(s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref, *, use_l2norm, precision):
+    path = path_ref[...]  # [D], -1 past path_len
+    g_path = gp_ref[...]
+    n, d = g_path.shape[0], path.shape[0]
+    node = jax.lax.broadcasted_iota(jnp.int32, (d, n), 1)
+    on_path = jnp.max(jnp.where(path[:, None] == node, 1, 0), axis=0) > 0  # [N]
+    pos = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
+    d_last = jnp.max(jnp.where(path >= 0, pos, -1))
+    last = jnp.sum(jnp.where(pos == d_last, path, 0))
+    g_last = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (n,), 0) == last, g_path, 0.0))
+    g_last = jnp.where(d_last >= 0, g_last, 0.0)
+    c = masked_decay(g_last, g_path, on_path)
+    k = prep_rows(k_ref[...], use_l2norm)
+    upd = dot(k, c[:, None] * u_ref[...], precision, trans_a=True)
+    out_ref[...] = jnp.exp(g_last) * s0_ref[...] + upd
+
+
+def tree_commit(
+    initial_state: jax.Array,
+    k: jax.Array,
+    u: jax.Array,
+    g_path: jax.Array,
+    path: jax.Array,
+    path_len: jax.Array,
+    *,
+    use_qk_l2norm: bool = False,
+    blocks: CommitBlocks = CommitBlocks(),
+    interpret: bool = False,
+) -> jax.Array:
+    """New state f32 ``[B, Hv, K, V]`` after ``path[b, :path_len[b]]`` (root to leaf).
+
+    ``k [B, N, Hk, K]`` raw keys (l2-normalised in-kernel when ``use_qk_l2norm``), ``u`` f32
+    ``[B, N, Hv, V]``, ``g_path`` f32 ``[B, N, Hv]``, ``path`` int ``[B, D]``, ``path_len [B]``.
+    ``initial_state`` (f32) is aliased to the result: donate it to update in place.
+    """
+    b, n, hk, dk = k.shape
+    hv, dv = u.shape[2], u.shape[3]
+    if n > MAX_NODES:
+        raise ValueError(
+            f"N: the Pallas tree_commit kernel supports at most {MAX_NODES} nodes, got {n}"
+        )
+    check_pow2_dim("K", dk)
+    check_pow2_dim("V", dv)
+    check_float("k", k)
+    bv = min(blocks.block_v, dv)
+    npad = next_pow2(n, 16)
+    k, u, g_path = (pad_axis(x, 1, npad) for x in (k, u, g_path))
+    dpad = next_pow2(path.shape[1], 16)
+    valid = jnp.arange(path.shape[1])[None, :] < path_len[:, None]
+    path = pad_axis(jnp.where(valid, path, -1).astype(jnp.int32), 1, dpad, value=-1)
+    grp = hv // hk
+
+    kernel = functools.partial(
+        _kernel, use_l2norm=use_qk_l2norm, precision=dot_precision(blocks.precision, interpret)
+    )
+    s_spec = pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hv, dv // bv),
+        in_specs=[
+            s_spec,
+            pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // grp, 0)),
+            pl.BlockSpec((None, npad, None, bv), lambda i, h, j: (i, 0, h, j)),
+            pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h)),
+            pl.BlockSpec((None, dpad), lambda i, h, j: (i, 0)),
+        ],
+        out_specs=s_spec,
+        out_shape=jax.ShapeDtypeStruct((b, hv, dk, dv), F32),
+        input_output_aliases={0: 0},
+        compiler_params=plt.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
+        interpret=interpret,
+        name="gdn_tree_commit",
+    )(initial_state.astype(F32), k, u, g_path, path)

@@ -1,0 +1,1 @@
+"""Serving side: memory manager, speculative decoding, engine (see DESIGN.md section 5)."""

@@ -1,0 +1,158 @@
+"""Placement policies: which pools exist, which segments each may use, how a pool grows.
+
+All four run on the same manager code path (same arena, same handles, same copies); they
+differ only in the decisions below. A policy never mutates state: :meth:`Policy.plan` returns
+the segments a pool should take (unowned ones, or ones another pool must give up after its live
+units are moved out), or ``None`` when no such set exists. The manager checks nothing else and
+executes the plan, so a ``None`` plan is what makes a failed allocation change nothing.
+
+- ``avmp``: one segment space shared by the KV, state and stash pools. A pool takes unowned
+  segments first, then wholly free segments of another pool, then compacts the pool with the
+  most reclaimable segments (moving live units out of its emptiest segments).
+- ``static_dual(ratio)``: SGLang-style split. ``ratio`` is ``mamba_full_memory_ratio``
+  (state-side bytes / KV-side bytes); the KV side never lends to the state side or back.
+  The state and stash pools share the state side as in AVMP.
+- ``multi_ended``: SGLang's unified allocator. KV segments form a prefix of the arena, state and
+  stash segments a suffix; a pool grows at its end of the gap and, when the gap is empty,
+  the other side compacts away from the boundary (only boundary segments can change hands).
+- ``unified_padded``: vLLM-style. One pool whose unit is a KV page enlarged (``page_size``
+  multiplied) until one page holds a state slot and a stash; states and stashes are padded to
+  it (``stats()["padding_bytes"]``). vLLM equalises pages per layer group instead of per model;
+  with Qwen3.5's 3:1 layer mix that page is 3x smaller than ours, a state then spans 3 pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from serving.memory.layout import KINDS, POOL_OF_KIND, HybridLayout
+
+if TYPE_CHECKING:
+    from serving.memory.manager import MemoryManager
+    from serving.memory.pools import Pool
+
+
+class Policy:
+    """Base policy: the AVMP decisions; subclasses override what differs."""
+
+    name = "avmp"
+
+    def __init__(self, **kwargs: Any):
+        if kwargs:
+            raise ValueError(f"policy {self.name!r} takes no arguments, got {sorted(kwargs)}")
+
+    def effective_layout(self, layout: HybridLayout) -> HybridLayout:
+        return layout
+
+    def pool_of_kind(self) -> dict[str, str]:
+        return dict(POOL_OF_KIND)
+
+    def pool_groups(self, pool_names: list[str], num_segments: int) -> tuple[list[int], list[int]]:
+        """(group of each pool, group of each segment): a pool only ever owns its group."""
+        return [0] * len(pool_names), [0] * num_segments
+
+    def plan(self, mm: MemoryManager, pool: Pool, need: int) -> list[int] | None:
+        chosen = list(mm.unowned[pool.group][:need])
+        if len(chosen) == need:
+            return chosen
+        others = [q for q in mm.pools if q is not pool and q.group == pool.group]
+        for q in others:
+            chosen += sorted(q.empty)[: need - len(chosen)]
+            if len(chosen) == need:
+                return chosen
+        ranked = sorted(
+            (-(len(q.owned) - q.min_segments() - len(q.empty)), q.index, q) for q in others)
+        for neg_extra, _, q in ranked:
+            if neg_extra >= 0:
+                break
+            busy = sorted(q.owned - q.empty, key=lambda s: (mm.seg_live[s], -s))
+            chosen += busy[: min(-neg_extra, need - len(chosen))]
+            if len(chosen) == need:
+                return chosen
+        return None
+
+
+class StaticDual(Policy):
+    """Fixed KV / state split; ``ratio`` = state-side bytes / KV-side bytes (SGLang's
+    ``mamba_full_memory_ratio``, whose default is 0.9)."""
+
+    name = "static_dual"
+
+    def __init__(self, ratio: float = 0.9):
+        if not ratio > 0:
+            raise ValueError(f"static_dual ratio must be > 0, got {ratio!r}")
+        self.ratio = float(ratio)
+
+    def pool_groups(self, pool_names: list[str], num_segments: int) -> tuple[list[int], list[int]]:
+        if num_segments < 2:
+            raise ValueError(
+                f"static_dual needs >= 2 segments, the budget gives {num_segments}")
+        n_state = round(num_segments * self.ratio / (1 + self.ratio))
+        n_state = min(max(n_state, 1), num_segments - 1)
+        n_kv = num_segments - n_state
+        return ([0 if n == "kv" else 1 for n in pool_names],
+                [0] * n_kv + [1] * n_state)
+
+
+class MultiEnded(Policy):
+    """KV grows up from segment 0, state and stash grow down from the last segment."""
+
+    name = "multi_ended"
+
+    def plan(self, mm: MemoryManager, pool: Pool, need: int) -> list[int] | None:
+        owner = mm.seg_owner
+        if pool.name == "kv":
+            # Everything above the KV prefix, lowest first: the gap, then the state side.
+            order = (s for s in range(mm.num_segments) if owner[s] != pool.index)
+        else:
+            siblings = [q for q in mm.pools if q.name != "kv" and q is not pool]
+            empties = sorted(s for q in siblings for s in q.empty)
+            high = {q.index for q in mm.pools if q.name != "kv"}
+            below = (s for s in range(mm.num_segments - 1, -1, -1) if owner[s] not in high)
+            order = iter(empties + list(below))
+        chosen = []
+        for s in order:
+            if len(chosen) == need:
+                break
+            chosen.append(s)
+        if len(chosen) < need:
+            return None
+        # Only boundary segments can move, so check that each victim can absorb its units.
+        for q in mm.pools:
+            mine = [s for s in chosen if owner[s] == q.index and q is not pool]
+            if not mine:
+                continue
+            live = sum(mm.seg_live[s] for s in mine)
+            free_inside = sum(q.units_per_segment - mm.seg_live[s] for s in mine)
+            if q.free_units - free_inside < live:
+                return None
+        return chosen
+
+
+class UnifiedPadded(Policy):
+    """One pool of enlarged KV pages; every state and stash is padded to one page."""
+
+    name = "unified_padded"
+
+    def effective_layout(self, layout: HybridLayout) -> HybridLayout:
+        biggest = max(layout.state_slot_bytes, layout.stash_bytes)
+        mult = -(-biggest // layout.kv_page_bytes)
+        return dataclasses.replace(layout, page_size=layout.page_size * mult)
+
+    def pool_of_kind(self) -> dict[str, str]:
+        return dict.fromkeys(KINDS, "unified")
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (Policy, StaticDual, MultiEnded, UnifiedPadded)}
+
+
+def make_policy(name: str, **kwargs: Any) -> Policy:
+    """The policy called ``name`` (one of :data:`POLICIES`) with its arguments."""
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+    try:
+        return POLICIES[name](**kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad arguments for policy {name!r}: {e}") from None

@@ -1,0 +1,57 @@
+"""Config parsing of the real model configs, abstract shapes, and on-device random init."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn_jax.models import ModelConfig, abstract_model, init_random, param_count
+from gdn_jax.models.config import FULL, LINEAR
+
+CONFIGS = Path(__file__).resolve().parents[4] / "shared" / "configs"
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    [("qwen3_5_35b_a3b", 35.5), ("qwen3_5_397b_a17b", 403), ("qwen3_next_80b_a3b", 79.7)],
+)
+def test_real_configs_abstract(name, billions):
+    """The published sizes (text model plus MTP head), without allocating anything."""
+    cfg = ModelConfig.from_json(CONFIGS / f"{name}.json")
+    assert cfg.layer_types[:4] == (LINEAR, LINEAR, LINEAR, FULL)
+    model = abstract_model(cfg)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
+    assert param_count(model) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_init_random_tiny():
+    cfg = ModelConfig(
+        model_type="qwen3_5_moe_text",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        mtp_num_hidden_layers=1,
+    )
+    model = init_random(cfg, jnp.bfloat16, seed=3)
+    assert model.embed_tokens[...].dtype == jnp.bfloat16
+    assert isinstance(model.embed_tokens[...], jax.Array)
+    logits = jax.jit(lambda ids: model(ids))(jnp.arange(10)[None] % 64)
+    assert logits.shape == (1, 10, 64)
+    assert np.isfinite(np.asarray(logits, np.float32)).all()
