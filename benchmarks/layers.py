@@ -34,15 +34,7 @@ from gdn_jax.models.cache import init_cache  # noqa: E402
 from gdn_jax.models.config import FULL, LINEAR  # noqa: E402
 from gdn_jax.models.steps import decode, prefill, verify_tree  # noqa: E402
 
-_ROOT = Path(__file__).resolve().parents[1]
-CONFIG = next(
-    (
-        d / "configs" / "qwen3_5_35b_a3b.json"
-        for d in (_ROOT / "shared", _ROOT.parent / "shared")
-        if (d / "configs").is_dir()
-    ),
-    _ROOT.parent / "shared" / "configs" / "qwen3_5_35b_a3b.json",
-)
+CONFIG = Path(__file__).resolve().parent / "configs" / "qwen3_5_35b_a3b.json"
 SMOKE = dict(
     hidden_size=64,
     num_attention_heads=4,

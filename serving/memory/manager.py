@@ -48,6 +48,31 @@ def _budget_from_fraction(fraction: float, device: jax.Device) -> int:
     return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
+def _default_segment_words(units: list[int], budget_words: int) -> int:
+    """Segment size (words) for pools of unit sizes ``units`` in an arena of ``budget_words``.
+
+    Aim: about ``min(2 MiB, budget / 16)`` per segment, never less than the largest unit. A
+    segment that is a multiple of the largest unit only can leave most of a smaller unit's
+    segment unused (e.g. one 28 KB stash in a 54 KB segment), so every multiple of any unit
+    size from the aim up to twice it is a candidate, and the one whose worst pool could use
+    the largest share of the whole budget wins (ties: the smaller segment). The choice
+    depends only on the sizes, so it is deterministic.
+    """
+    biggest = max(units)
+    target = min(DEFAULT_SEGMENT_BYTES, budget_words * WORD_BYTES // MIN_AUTO_SEGMENTS)
+    lo = biggest * max(1, -(-target // (biggest * WORD_BYTES)))  # the former default
+    hi = max(lo, min(2 * target // WORD_BYTES, budget_words))
+    candidates = {lo}
+    for u in set(units):
+        candidates.update(range(-(-lo // u) * u, hi + 1, u))
+
+    def worst_share(seg: int) -> float:
+        n = budget_words // seg
+        return min(n * (seg // u) * u for u in units) / budget_words
+
+    return max(sorted(candidates), key=worst_share)
+
+
 class MemoryManager:
     """Asymmetric paged memory for hybrid caches.
 
@@ -57,8 +82,9 @@ class MemoryManager:
         The arena is the largest whole number of segments that fits; the rest is unused
         (``stats()["unused_budget_bytes"]``).
       policy: ``"avmp"`` | ``"unified_padded"`` | ``"static_dual"`` | ``"multi_ended"``.
-      segment_bytes: segment size. Default: the smallest multiple of the largest unit that is
-        >= min(2 MiB, budget / 16), so the largest unit packs with no tail.
+      segment_bytes: segment size. Default: about min(2 MiB, budget / 16), at least the
+        largest unit, chosen among multiples of the unit sizes so that no pool loses much of
+        a segment to its tail (:func:`_default_segment_words`).
       device: where the arena lives (default: first device).
       **policy_args: e.g. ``ratio=0.9`` for ``static_dual``.
     """
@@ -88,8 +114,8 @@ class MemoryManager:
                              if self._pool_of_kind[k] == n) for n in names}
         biggest = max(unit_words.values())
         if segment_bytes is None:
-            target = min(DEFAULT_SEGMENT_BYTES, self.budget_bytes // MIN_AUTO_SEGMENTS)
-            seg_words = biggest * max(1, -(-target // (biggest * WORD_BYTES)))
+            seg_words = _default_segment_words(list(unit_words.values()),
+                                               self.budget_bytes // WORD_BYTES)
         else:
             if segment_bytes % WORD_BYTES or segment_bytes < biggest * WORD_BYTES:
                 raise ValueError(

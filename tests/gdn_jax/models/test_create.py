@@ -13,7 +13,7 @@ from flax import nnx
 from gdn_jax.models import ModelConfig, abstract_model, init_random, param_count
 from gdn_jax.models.config import FULL, LINEAR
 
-CONFIGS = Path(__file__).resolve().parents[4] / "shared" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "benchmarks" / "configs"
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import pytest
 
 from serving.memory import (
     AllocationTooLargeError,
+    HybridLayout,
     MemoryManager,
     OutOfMemoryError,
     view,
@@ -186,3 +187,17 @@ def test_constructor_errors_name_the_argument(kwargs, match):
     kwargs = {"budget_bytes": 1 << 23, **kwargs}
     with pytest.raises(ValueError, match=match):
         MemoryManager(TINY, **kwargs)
+
+
+def test_default_segment_packs_every_pool():
+    # kv page 8 KiB, state slot 52.5 KiB, stash 27.4 KiB: a segment of one state slot would
+    # hold one stash and leave 48% of it unused; the default must pick a size that packs all.
+    lay = HybridLayout(page_size=32, attn_layers=1, kv_heads=1, head_dim=64, gdn_layers=3,
+                       k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
+    budget = 12 * lay.state_slot_bytes
+    mm = MemoryManager(lay, budget, "avmp")
+    seg = mm.arena.segment_words
+    for pool in mm.pools:
+        assert pool.units_per_segment * pool.unit_words >= 0.9 * seg, pool.name
+    assert mm.arena.nbytes <= budget
+    assert MemoryManager(lay, budget, "avmp").arena.segment_words == seg  # deterministic
