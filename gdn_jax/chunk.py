@@ -30,6 +30,7 @@ from gdn_jax._prep import (
     ungroup_heads,
 )
 from gdn_jax.dispatch import pallas_op, resolve_impl
+from gdn_jax.solve import unit_lower_solve
 
 
 def masked_decay(gi: jax.Array, gj: jax.Array, mask: jax.Array) -> jax.Array:
@@ -52,13 +53,10 @@ def _chunk_terms(qc, kc, vc, gc, bc):
     gi, gj = gcum[..., :, None], gcum[..., None, :]
     kk = jnp.einsum("...hik,...hjk->...hij", kc, kc, precision=HIGHEST)[..., :, None, :, :]
     a = bc[..., :, None] * masked_decay(gi, gj, strict) * kk
-    eye = jnp.eye(c, dtype=jnp.float32)
     rhs_k = (bc * jnp.exp(gcum))[..., None] * kc[..., :, None, :, :]
     rhs_v = bc[..., None] * vc
     rhs = jnp.concatenate([rhs_v, rhs_k], axis=-1)
-    sol = jax.lax.linalg.triangular_solve(
-        eye + a, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    sol = unit_lower_solve(a, rhs)
     w1, w2 = sol[..., : vc.shape[-1]], sol[..., vc.shape[-1] :]
     qk = jnp.einsum("...hik,...hjk->...hij", qc, kc, precision=HIGHEST)[..., :, None, :, :]
     aqk = qk * masked_decay(gi, gj, incl)

@@ -2,9 +2,11 @@
 
 Pallas entry points are registered by name in :data:`PALLAS_OPS`; the module
 ``gdn_jax.pallas_routes`` (when present) adapts ``pallas_kernels`` to the op signatures and fills
-the table on import. ``"pallas"`` uses a registered kernel or raises; ``"auto"`` picks Pallas on
-GPU/TPU only for the ops in :data:`AUTO_PALLAS` (those measured faster than the XLA path on the
-H200, benchmarks/README.md), XLA otherwise.
+the table on import. ``"pallas"`` uses a registered kernel or raises (the kernel raises
+``ValueError`` for shapes it cannot take); ``"auto"`` picks Pallas on GPU/TPU only for the ops in
+:data:`AUTO_PALLAS` (those measured faster than the XLA path on the H200,
+benchmarks/README.md) and only when that op's predicate accepts the call's arguments, XLA
+otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax
 
 IMPLS = ("auto", "xla", "pallas")
 PALLAS_OPS: dict[str, Callable] = {}
-AUTO_PALLAS: set[str] = set()
+AUTO_PALLAS: dict[str, Callable[..., bool]] = {}
 _loaded = False
 
 
@@ -31,8 +33,9 @@ def _load_routes() -> None:
                 raise
 
 
-def resolve_impl(impl: str, op: str) -> str:
-    """Returns ``"xla"`` or ``"pallas"`` for ``op``; raises ``ValueError`` for unknown names."""
+def resolve_impl(impl: str, op: str, *args) -> str:
+    """Returns ``"xla"`` or ``"pallas"`` for ``op`` called on ``args`` (for ``"auto"``'s
+    eligibility predicate); raises ``ValueError`` for unknown names."""
     if impl not in IMPLS:
         raise ValueError(f"impl: must be one of {IMPLS}, got {impl!r}")
     if impl == "xla" or (impl == "auto" and jax.default_backend() == "cpu"):
@@ -42,7 +45,8 @@ def resolve_impl(impl: str, op: str) -> str:
         if op not in PALLAS_OPS:
             raise ValueError(f"impl: no Pallas kernel is available for {op}; use 'xla' or 'auto'")
         return "pallas"
-    return "pallas" if op in AUTO_PALLAS and op in PALLAS_OPS else "xla"
+    eligible = op in AUTO_PALLAS and op in PALLAS_OPS and AUTO_PALLAS[op](*args)
+    return "pallas" if eligible else "xla"
 
 
 def pallas_op(op: str) -> Callable:

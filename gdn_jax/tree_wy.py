@@ -35,6 +35,7 @@ from gdn_jax._prep import (
 )
 from gdn_jax.chunk import masked_decay
 from gdn_jax.dispatch import pallas_op, resolve_impl
+from gdn_jax.solve import unit_lower_solve
 from gdn_jax.tree import validate_parents, validate_path
 
 
@@ -118,7 +119,7 @@ def tree_verify(
     q, k, v, g, beta, parents, initial_state = as_arrays(q, k, v, g, beta, parents, initial_state)
     b, n, hk, hv, dk, dv = check_rule_inputs(q, k, v, g, beta, initial_state, time_name="N")
     parents = _check_parents(parents, b, n)
-    if resolve_impl(impl, "tree_verify") == "pallas":
+    if resolve_impl(impl, "tree_verify", q, k, v) == "pallas":
         o, u, g_path = pallas_op("tree_verify")(
             q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
         )
@@ -149,10 +150,7 @@ def _tree_verify_xla(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_
     a = bt[..., None] * masked_decay(gi, gj, strict[:, None, None]) * kk
     ks0 = jnp.einsum("bnhk,bhgkv->bhgnv", kf, s0, precision=HIGHEST)
     rhs = bt[..., None] * (vt - jnp.exp(gp)[..., None] * ks0)
-    eye = jnp.eye(n, dtype=jnp.float32)
-    u = jax.lax.linalg.triangular_solve(
-        eye + a, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    u = unit_lower_solve(a, rhs)
 
     qs0 = jnp.einsum("bnhk,bhgkv->bhgnv", qf, s0, precision=HIGHEST)
     qk = jnp.einsum("bnhk,bmhk->bhnm", qf, kf, precision=HIGHEST)[:, :, None]
@@ -201,7 +199,7 @@ def tree_commit(
     """
     initial_state, path, path_len = as_arrays(initial_state, path, path_len)
     _check_commit(initial_state, cache, path, path_len)
-    if resolve_impl(impl, "tree_commit") == "pallas":
+    if resolve_impl(impl, "tree_commit", cache) == "pallas":
         return pallas_op("tree_commit")(initial_state, cache, path, path_len)
     return _tree_commit_xla(initial_state, cache, path, path_len)
 
