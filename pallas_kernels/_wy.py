@@ -6,6 +6,8 @@ power-of-two sides (the Triton lowering's rule), and every dot is a plain 2-D ma
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +19,25 @@ PRECISIONS = {
     "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
 }
 FLOAT_INPUTS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class DotBlocks:
+    """Static knobs of the WY kernels: value columns per program, Triton warps/stages, dot
+    precision name.
+
+    ``precision``: ``"tf32x3"`` (three tf32 passes on the tensor cores, f32-level accuracy; CPU
+    has no tf32, so interpret mode runs it as ``"highest"``), ``"highest"`` (IEEE f32 FMAs, slow
+    in Triton) or ``"bf16x3"`` (two bf16 halves per operand, 3 MMAs, f32 accumulation).
+    """
+
+    block_v: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    precision: str = "tf32x3"
+
+
+DEFAULT_BLOCKS = DotBlocks()
 
 
 def dot_precision(name: str, interpret: bool):

@@ -13,7 +13,6 @@ read and written under a mask (masked rows have ``k = v = beta = g = 0``: they c
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -22,7 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._wy import (
+    DEFAULT_BLOCKS,
     F32,
+    DotBlocks,
     check_float,
     check_pow2_dim,
     dot,
@@ -37,19 +38,7 @@ from pallas_kernels._wy import (
 GPU_MAX_CHUNK = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkBlocks:
-    """Static knobs: value columns per program, Triton warps/stages, dot precision name.
-
-    ``precision``: ``"tf32x3"`` (three tf32 passes on the tensor cores, f32-level accuracy; CPU
-    has no tf32, so interpret mode runs it as ``"highest"``), ``"highest"`` (IEEE f32 FMAs, slow
-    in Triton) or ``"bf16x3"``.
-    """
-
-    block_v: int = 64
-    num_warps: int = 4
-    num_stages: int = 1
-    precision: str = "tf32x3"
+ChunkBlocks = DotBlocks
 
 
 def _kernel(
@@ -99,7 +88,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     cu_seqlens: jax.Array | None = None,
-    blocks: ChunkBlocks = ChunkBlocks(),
+    blocks: ChunkBlocks = DEFAULT_BLOCKS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked gated delta rule. ``q, k [B, T, Hk, K]``, ``v [B, T, Hv, V]``, ``g, beta

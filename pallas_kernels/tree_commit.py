@@ -9,7 +9,6 @@ block of value columns); ``S0`` is aliased to the output, so a donated state is 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -18,7 +17,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._wy import (
+    DEFAULT_BLOCKS,
     F32,
+    DotBlocks,
     check_float,
     check_pow2_dim,
     dot,
@@ -30,20 +31,7 @@ from pallas_kernels._wy import (
 )
 from pallas_kernels.tree_verify import MAX_NODES
 
-
-@dataclasses.dataclass(frozen=True)
-class CommitBlocks:
-    """Static knobs: value columns per program, Triton warps/stages, dot precision name.
-
-    ``precision``: ``"tf32x3"`` (three tf32 passes on the tensor cores, f32-level accuracy; CPU
-    has no tf32, so interpret mode runs it as ``"highest"``), ``"highest"`` (IEEE f32 FMAs, slow
-    in Triton) or ``"bf16x3"``.
-    """
-
-    block_v: int = 64
-    num_warps: int = 4
-    num_stages: int = 1
-    precision: str = "tf32x3"
+CommitBlocks = DotBlocks
 
 
 def _kernel(s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref, *, use_l2norm, precision):
@@ -72,7 +60,7 @@ def tree_commit(
     path_len: jax.Array,
     *,
     use_qk_l2norm: bool = False,
-    blocks: CommitBlocks = CommitBlocks(),
+    blocks: CommitBlocks = DEFAULT_BLOCKS,
     interpret: bool = False,
 ) -> jax.Array:
     """New state f32 ``[B, Hv, K, V]`` after ``path[b, :path_len[b]]`` (root to leaf).

@@ -13,7 +13,6 @@ mask ``P`` built in-kernel from the parent ids::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -22,7 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._wy import (
+    DEFAULT_BLOCKS,
     F32,
+    DotBlocks,
     ancestor_closure,
     check_float,
     check_pow2_dim,
@@ -40,19 +41,7 @@ MAX_NODES = 128
 GPU_MAX_NODES = 64
 
 
-@dataclasses.dataclass(frozen=True)
-class VerifyBlocks:
-    """Static knobs: value columns per program, Triton warps/stages, dot precision name.
-
-    ``precision``: ``"tf32x3"`` (three tf32 passes on the tensor cores, f32-level accuracy; CPU
-    has no tf32, so interpret mode runs it as ``"highest"``), ``"highest"`` (IEEE f32 FMAs, slow
-    in Triton) or ``"bf16x3"``.
-    """
-
-    block_v: int = 64
-    num_warps: int = 4
-    num_stages: int = 1
-    precision: str = "tf32x3"
+VerifyBlocks = DotBlocks
 
 
 def _kernel(
@@ -89,7 +78,7 @@ def tree_verify(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    blocks: VerifyBlocks = VerifyBlocks(),
+    blocks: VerifyBlocks = DEFAULT_BLOCKS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tree WY verify. ``q, k [B, N, Hk, K]``, ``v [B, N, Hv, V]``, ``g, beta [B, N, Hv]``,

@@ -89,9 +89,9 @@ def prefill(
     num_tokens = num_tokens.astype(jnp.int32)
     hidden, cache = _sequence(model, tokens, cache, num_tokens, recurrent=False)
     if not all_logits:
-        hidden = jnp.take_along_axis(
-            hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1
-        )[:, 0]
+        hidden = jnp.take_along_axis(hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)[
+            :, 0
+        ]
     if return_hidden:
         return model.logits(hidden), cache, hidden
     return model.logits(hidden), cache
