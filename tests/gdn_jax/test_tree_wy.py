@@ -60,7 +60,9 @@ def test_verify_matches_path_recurrence(tree, batch, shapes, decay, dtype, l2, s
 @SETTINGS
 @given(
     n=st.sampled_from([4, 9, 16]),
-    kinds=st.lists(st.sampled_from(["chain", "star", "random", "forest", "padded"]), min_size=2, max_size=2),
+    kinds=st.lists(
+        st.sampled_from(["chain", "star", "random", "forest", "padded"]), min_size=2, max_size=2
+    ),
     shapes=head_shapes(),
     decay=st.sampled_from(["mild", "strong"]),
     seed=st.integers(0, 2**31 - 1),
@@ -70,7 +72,9 @@ def test_commit_equals_state_after_every_prefix(n, kinds, shapes, decay, seed):
     length of a random root-to-node path, ``path_len == 0`` included (state returned as is)."""
     rng = np.random.default_rng(seed)
     parents = np.stack([make_tree(kind, n, rng) for kind in kinds])
-    (q, k, v, g, beta, s0), cache, states64 = _verify_and_check(parents, shapes, decay, np.float32, True, seed)
+    (q, k, v, g, beta, s0), cache, states64 = _verify_and_check(
+        parents, shapes, decay, np.float32, True, seed
+    )
     d = n
     nodes = [int(rng.choice(np.nonzero(p >= -1)[0])) for p in parents]
     paths = [tree_paths(p)[nd] for p, nd in zip(parents, nodes, strict=True)]
@@ -103,7 +107,9 @@ def test_chain_tree_equals_chunk_equals_recurrent(t, shapes, decay, chunk, seed)
     q, k, v, g, beta, s0 = make_inputs(rng, 2, t, hk, hv, dk, dv, decay=decay)
     chain = np.broadcast_to(np.arange(-1, t - 1, dtype=np.int32), (2, t))
     o_tree, cache = tree_verify(q, k, v, g, beta, chain, s0, use_qk_l2norm=True)
-    o_chunk, s_chunk = chunk_gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True, chunk_size=chunk)
+    o_chunk, s_chunk = chunk_gated_delta_rule(
+        q, k, v, g, beta, s0, use_qk_l2norm=True, chunk_size=chunk
+    )
     o_rec, s_rec = recurrent_gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
     o64, s64 = recurrent64(q, k, v, g, beta, s0, use_qk_l2norm=True)
     for o in (o_tree, o_chunk, o_rec):
@@ -115,7 +121,11 @@ def test_chain_tree_equals_chunk_equals_recurrent(t, shapes, decay, chunk, seed)
 
 
 @SETTINGS
-@given(tree=trees(kinds=("random", "forest", "padded", "star")), shapes=head_shapes(), seed=st.integers(0, 2**31 - 1))
+@given(
+    tree=trees(kinds=("random", "forest", "padded", "star")),
+    shapes=head_shapes(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_renumbering_permutes_outputs_only(tree, shapes, seed):
     """Another valid topological order of the same tree permutes outputs and nothing else."""
     n = tree.shape[0]
@@ -130,15 +140,23 @@ def test_renumbering_permutes_outputs_only(tree, shapes, seed):
     order = np.array(order)
     new_id = np.empty(n, np.int64)
     new_id[order] = np.arange(n)
-    new_parents = np.where(tree[order] >= 0, new_id[np.maximum(tree[order], 0)], tree[order]).astype(np.int32)
+    new_parents = np.where(
+        tree[order] >= 0, new_id[np.maximum(tree[order], 0)], tree[order]
+    ).astype(np.int32)
     hk, hv, dk, dv = shapes
     q, k, v, g, beta, s0 = make_inputs(rng, 1, n, hk, hv, dk, dv, decay="mixed")
     o1, c1 = tree_verify(q, k, v, g, beta, tree[None], s0, use_qk_l2norm=True)
     perm = lambda x: x[:, order]
-    o2, c2 = tree_verify(perm(q), perm(k), perm(v), perm(g), perm(beta), new_parents[None], s0, use_qk_l2norm=True)
+    o2, c2 = tree_verify(
+        perm(q), perm(k), perm(v), perm(g), perm(beta), new_parents[None], s0, use_qk_l2norm=True
+    )
     real = tree[order] >= -1
-    np.testing.assert_allclose(np.asarray(o2)[0, real], np.asarray(o1)[0, order][real], rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(c2.u)[0, real], np.asarray(c1.u)[0, order][real], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(o2)[0, real], np.asarray(o1)[0, order][real], rtol=2e-5, atol=2e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(c2.u)[0, real], np.asarray(c1.u)[0, order][real], rtol=2e-5, atol=2e-5
+    )
 
 
 def test_extreme_decay_deep_chain_is_finite_and_exact():
@@ -206,6 +224,7 @@ def test_cache_is_a_pytree_with_static_flag():
 
 
 # --- errors -----------------------------------------------------------------------------------
+
 
 def _inputs(n=4, hk=2, hv=4):
     return make_inputs(np.random.default_rng(4), 1, n, hk, hv, 4, 4)
@@ -283,3 +302,26 @@ def test_draft_tree_feeds_verify_and_commit():
     p = tree.path(leaf)
     _, s64 = recurrent64(q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], s0)
     assert rel_err(s_new, s64) < 2e-4
+
+
+def test_remaining_error_paths():
+    """Every remaining host-visible ValueError: dtypes, cu_seqlens shape, path_array depth."""
+    from gdn_jax import chunk_gated_delta_rule
+
+    q, k, v, g, beta, s0 = _inputs()
+    par = np.array([[-1, 0, 0, 1]], np.int32)
+    with pytest.raises(ValueError, match="^k/v: must be floating point"):
+        tree_verify(q, k.astype(np.int32), v, g, beta, par, s0)
+    with pytest.raises(ValueError, match="^parents: must be integer"):
+        tree_verify(q, k, v, g, beta, par.astype(np.float32), s0)
+    _, cache = tree_verify(q, k, v, g, beta, par, s0)
+    with pytest.raises(ValueError, match="^path: must be integer"):
+        tree_commit(s0, cache, np.array([[0.0, 1.0]]), np.array([1]))
+    with pytest.raises(ValueError, match="^path_len: must be integer"):
+        tree_commit(s0, cache, np.array([[0, 1]]), np.array([1.0]))
+    with pytest.raises(ValueError, match="^cu_seqlens: expected a 1-D array"):
+        chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=np.array([4]))
+    with pytest.raises(ValueError, match="^cu_seqlens: must be integer"):
+        chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=np.array([0.0, 4.0]))
+    with pytest.raises(ValueError, match="^max_depth: "):
+        DraftTree.from_parents([-1, 0, 1]).path_array(2, 2)
