@@ -1,0 +1,161 @@
+"""The serving benchmark: the same prompts through no speculation, chain snapshot, tree
+snapshot and tree WY verification, one engine each, after a warm-up run that compiles every
+program (so the timed run measures a steady state). Prints a table and writes JSON.
+
+Metrics: throughput (generated tokens per second of the timed run), mean TTFT and TPOT over
+requests, mean acceptance length (tokens emitted per verify step, 1.0 without speculation),
+and speculative memory: the manager's bytes of speculative scratch per request (one tree-WY
+``stash`` of N nodes, or N per-node ``snapshot`` states) and for the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from serving.llm import LLM, load_model
+from serving.params import SamplingParams, SpecConfig
+from serving.tokenizer import BOS
+
+ASSETS = Path(__file__).parent / "assets" / "tiny"
+
+
+def stdlib_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``n`` byte-level prompts: ``BOS`` and ``length`` bytes from the middle of standard
+    library modules (the tiny models' training text)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4 * length)
+    rng = np.random.default_rng(seed)
+    out = []
+    for path in rng.choice(files, n, replace=False):
+        data = path.read_bytes()
+        start = int(rng.integers(0, len(data) - length))
+        out.append([BOS, *data[start : start + length]])
+    return out
+
+
+class Progress:
+    """A text progress bar on stderr (tokens done / total)."""
+
+    def __init__(self, total: int, label: str = ""):
+        self.total, self.done, self.label = total, 0, label
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, n: int) -> None:
+        self.done = min(self.total, self.done + n)
+        now = time.perf_counter()
+        if now - self.last < 0.25 and self.done < self.total:
+            return
+        self.last = now
+        frac = self.done / self.total
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        dt = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label:<16} [{bar}] {100 * frac:5.1f}%  {dt:6.1f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def run(
+    *,
+    model=None,
+    draft=None,
+    method: str = "draft_model",
+    tree: tuple[int, ...] = (4, 2, 2),
+    chain: int = 4,
+    num_prompts: int = 8,
+    prompt_len: int = 96,
+    max_tokens: int = 64,
+    max_num_seqs: int = 8,
+    dtype: str = "float32",
+    json_path: str | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    model = load_model(model if model is not None else ASSETS / "target", jnp.dtype(dtype))
+    if method == "draft_model":
+        draft = load_model(draft if draft is not None else ASSETS / "draft", jnp.dtype(dtype))
+    prompts = stdlib_prompts(num_prompts, prompt_len)
+    vocab = model.config.vocab_size
+    prompts = [[t % vocab for t in p] for p in prompts]
+    cases = [
+        ("no speculation", None),
+        ("chain snapshot", dict(tree=(1,) * chain, verify="snapshot")),
+        ("tree snapshot", dict(tree=tuple(tree), verify="snapshot")),
+        ("tree WY", dict(tree=tuple(tree), verify="wy")),
+    ]
+    engine = dict(
+        max_num_seqs=max_num_seqs,
+        batch_buckets=(max_num_seqs,),
+        max_model_len=prompt_len + max_tokens + 16,
+        prefill_chunk=64,
+        dtype=dtype,
+    )
+    params = SamplingParams(max_tokens=max_tokens)
+    rows = []
+    for name, kw in cases:
+        spec = None
+        if kw is not None:
+            spec = SpecConfig(method=method, draft_model=draft, **kw)
+        llm = LLM(model, speculative=spec, **engine)
+        bar = Progress(len(prompts) * (max_tokens + 8), name) if progress else None
+        llm.generate(prompts, SamplingParams(max_tokens=8), progress=bar)  # compile
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, progress=bar)
+        wall = time.perf_counter() - t0
+        if bar:
+            bar.close()
+        acc = [a for o in outs for a in o.metrics["acceptance_lengths"]]
+        rows.append(
+            dict(
+                method=name,
+                nodes=spec.num_nodes if spec else 1,
+                throughput_tok_s=sum(len(o.token_ids) for o in outs) / wall,
+                ttft_ms=1e3 * float(np.mean([o.metrics["ttft_s"] for o in outs])),
+                tpot_ms=1e3 * float(np.mean([o.metrics["tpot_s"] for o in outs])),
+                mean_acceptance_length=float(np.mean(acc)) if acc else 1.0,
+                spec_bytes_per_request=llm.spec_bytes_per_request,
+                spec_bytes_batch=llm.spec_bytes_per_request * max_num_seqs,
+                outputs=[o.token_ids for o in outs],
+            )
+        )
+    base = rows[0]["outputs"]
+    for r in rows:
+        r["same_tokens_as_plain"] = r.pop("outputs") == base
+    print(table(rows, method))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2))
+    differ = [r["method"] for r in rows if not r["same_tokens_as_plain"]]
+    if differ:  # greedy speculation is lossless: any difference is a bug
+        raise SystemExit(f"speculative greedy output differs from plain greedy for: {differ}")
+    return rows
+
+
+def table(rows: list[dict], method: str) -> str:
+    head = (
+        f"| method ({method} drafter) | nodes | tok/s | TTFT ms | TPOT ms | mean accept len "
+        "| spec memory / request | spec memory / batch | same tokens |"
+    )
+    lines = [head, "|" + " --- |" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['nodes']} | {r['throughput_tok_s']:.1f} | {r['ttft_ms']:.1f} "
+            f"| {r['tpot_ms']:.2f} | {r['mean_acceptance_length']:.2f} "
+            f"| {_fmt_bytes(r['spec_bytes_per_request'])} | {_fmt_bytes(r['spec_bytes_batch'])} "
+            f"| {'yes' if r['same_tokens_as_plain'] else 'NO'} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""The engine loop: admit, reserve memory, then one prefill step (a chunk of every prefilling
+request) and one decode step (plain, or draft-verify-accept-commit) per iteration.
+
+Batches are padded to power-of-two buckets (capped at ``max_num_seqs``), prefill chunks to
+``prefill_chunk`` tokens and draft trees to the config's static ``N`` nodes, so the jitted
+steps compile once per bucket and never in a steady state.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from serving.acceptance import greedy_accept, rejection_accept, sample, target_probs
+from serving.drafters import ModelDrafter, MTPDrafter, NgramDrafter
+from serving.params import SpecConfig
+from serving.runner import ModelRunner
+from serving.scheduler import Request, Scheduler
+from serving.spec_trees import TreeBuilder
+
+
+def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of two below ``max_num_seqs``, then ``max_num_seqs`` itself."""
+    out = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return (*out, max_num_seqs)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        max_num_seqs: int,
+        batch_buckets: tuple[int, ...],
+        prefill_chunk: int,
+        spec: SpecConfig | None,
+        drafter=None,
+        draft_runner: ModelRunner | None = None,
+        progress=None,
+    ):
+        self.runner = runner
+        self.sched = scheduler
+        self.max_num_seqs = max_num_seqs
+        self.buckets = tuple(sorted(batch_buckets))
+        self.chunk = prefill_chunk
+        self.spec = spec
+        self.drafter = drafter
+        self.draft_runner = draft_runner
+        self.progress = progress
+        self.num_nodes = spec.num_nodes if spec else 1
+        self.depth = spec.max_depth if spec else 0
+        self.snapshot = bool(spec and spec.verify == "snapshot")
+
+    def compiled(self) -> int:
+        n = self.runner.compiled()
+        if self.draft_runner is not None:
+            n += self.draft_runner.compiled()
+        if isinstance(self.drafter, MTPDrafter):
+            n += self.drafter.compiled()
+        return n
+
+    # ------------------------------------------------------------------------------ batches
+
+    def _rows(self, reqs: list[Request], lengths: list[int] | None = None):
+        b = next(x for x in self.buckets if x >= len(reqs))
+        slots = np.full(b, self.runner.scratch, np.int32)
+        table = np.full((b, self.sched.pages_per_seq), -1, np.int32)
+        lens = np.zeros(b, np.int32)
+        for i, r in enumerate(reqs):
+            slots[i] = r.slot
+            table[i, : len(r.pages)] = r.pages
+            lens[i] = r.computed if lengths is None else lengths[i]
+        return slots, table, lens
+
+    def _emit(self, req: Request, tokens: list[int], now: float) -> None:
+        p = req.params
+        for t in tokens:
+            req.output.append(int(t))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if len(req.output) >= p.max_tokens or int(t) in p.stop_token_ids:
+                self.sched.finish(req)
+                break
+        if self.progress is not None:
+            self.progress(len(tokens))
+
+    def _sample(self, req: Request, logits: np.ndarray, argmax: int, stream: int) -> int:
+        if req.params.greedy:
+            return int(argmax)
+        rng = np.random.default_rng([req.params.seed, req.index, len(req.output), stream])
+        return sample(target_probs(logits, req.params), rng)
+
+    # -------------------------------------------------------------------------------- steps
+
+    def step(self) -> None:
+        s = self.sched
+        s.admit(self.max_num_seqs, self.chunk)
+        # reserve this step's tokens, oldest first; newest requests are preempted on OOM
+        for req in list(s.running):
+            if req not in s.running:
+                continue
+            if req.prefilling:
+                todo = len(req.prefill_tokens) - req.computed
+                s.reserve(req, req.computed + max(1, min(todo, self.chunk)))
+            else:
+                s.reserve(req, req.computed + 1 + self.depth)
+        prefills = [r for r in s.running if r.prefilling]
+        decodes = [r for r in s.running if not r.prefilling]
+        if prefills:
+            self._prefill(prefills)
+        if decodes:
+            if self.spec is None:
+                self._decode(decodes)
+            else:
+                self._speculate(decodes)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        slots, table, lens = self._rows(reqs)
+        tokens = np.zeros((slots.shape[0], self.chunk), np.int32)
+        counts = np.zeros(slots.shape[0], np.int32)
+        for i, r in enumerate(reqs):
+            todo = r.prefill_tokens[r.computed : r.computed + self.chunk]
+            tokens[i, : len(todo)] = todo
+            counts[i] = len(todo)
+        logits, am, hidden = self.runner.prefill(slots, table, lens, tokens, counts)
+        if self.draft_runner is not None:
+            self.draft_runner.prefill(slots, table, lens, tokens, counts)
+        done = [i for i, r in enumerate(reqs) if r.computed + counts[i] == len(r.prefill_tokens)]
+        now = time.perf_counter()
+        if done:
+            logits_h, am_h = np.asarray(logits), np.asarray(am)
+            hidden_h = np.asarray(hidden) if isinstance(self.drafter, MTPDrafter) else None
+        for i, r in enumerate(reqs):
+            r.computed += int(counts[i])
+        for i in done:
+            r = reqs[i]
+            if hidden_h is not None:
+                r.hidden = hidden_h[i]
+            if not r.output:  # a fresh request: its first token
+                self._emit(r, [self._sample(r, logits_h[i], am_h[i], 0)], now)
+
+    def _decode(self, reqs: list[Request]) -> None:
+        slots, table, lens = self._rows(reqs)
+        tokens = np.zeros(slots.shape[0], np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i] = r.output[-1]
+        logits, am, _ = self.runner.decode(slots, table, lens, tokens)
+        am = np.asarray(am)
+        logits_h = None if all(r.params.greedy for r in reqs) else np.asarray(logits)
+        now = time.perf_counter()
+        for i, r in enumerate(reqs):
+            r.computed += 1
+            lg = None if logits_h is None else logits_h[i]
+            self._emit(r, [self._sample(r, lg, am[i], 0)], now)
+
+    def _speculate(self, reqs: list[Request]) -> None:
+        spec, n = self.spec, self.num_nodes
+        rows = self._rows(reqs)
+        slots, table, lens = rows
+        b = slots.shape[0]
+        builders = []
+        for r in reqs:
+            rng = None
+            if not r.params.greedy:
+                rng = np.random.default_rng([r.params.seed, r.index, len(r.output), 1])
+            builders.append(TreeBuilder(r.output[-1], spec, rng))
+        temps = [r.params.temperature for r in reqs]
+        self.drafter.draft(
+            [r.context() for r in reqs],
+            builders,
+            rows=rows,
+            temperature=max(temps) if len(set(temps)) == 1 else 1.0,
+            hidden=[r.hidden for r in reqs],
+        )
+        tokens = np.zeros((b, n), np.int32)
+        parents = np.full((b, n), -2, np.int32)
+        parents[:, 0] = -1
+        for i, tb in enumerate(builders):
+            tokens[i], parents[i] = tb.arrays(n)
+        logits, am, hidden, tree = self.runner.verify(
+            slots, table, lens, tokens, parents, snapshot=self.snapshot
+        )
+        am = np.asarray(am)
+        logits_h = None if all(r.params.greedy for r in reqs) else np.asarray(logits)
+        paths = np.full((b, self.depth + 1), -1, np.int32)
+        path_len = np.zeros(b, np.int32)
+        nexts = []
+        for i, (r, tb) in enumerate(zip(reqs, builders, strict=True)):
+            if r.params.greedy:
+                path, nxt = greedy_accept(tb, am[i])
+            else:
+                rng = np.random.default_rng([r.params.seed, r.index, len(r.output), 2])
+                probs = target_probs(logits_h[i, : len(tb)], r.params)
+                path, nxt = rejection_accept(tb, probs, rng)
+            paths[i, : len(path)] = path
+            path_len[i] = len(path)
+            nexts.append(nxt)
+        self.runner.commit(slots, table, lens, tree, paths, path_len, snapshot=self.snapshot)
+        if self.draft_runner is not None:
+            chunk = np.zeros((b, self.depth + 1), np.int32)
+            for i in range(len(reqs)):
+                chunk[i, : path_len[i]] = tokens[i, paths[i, : path_len[i]]]
+            self.draft_runner.prefill(slots, table, lens, chunk, path_len)
+        if isinstance(self.drafter, MTPDrafter):
+            hidden = np.asarray(hidden)
+        now = time.perf_counter()
+        for i, (r, tb) in enumerate(zip(reqs, builders, strict=True)):
+            m = int(path_len[i])
+            r.computed += m
+            if isinstance(self.drafter, MTPDrafter):
+                r.hidden = hidden[i, paths[i, m - 1]]
+            r.accept_lengths.append(m)
+            self._emit(r, [tb.tokens[j] for j in paths[i, 1:m]] + [nexts[i]], now)
+
+
+def make_drafter(spec: SpecConfig, vocab: int, draft_runner, mtp_runner):
+    if spec.method == "ngram":
+        return NgramDrafter(spec.ngram_max, vocab)
+    if spec.method == "draft_model":
+        return ModelDrafter(draft_runner, spec.num_nodes)
+    return MTPDrafter(mtp_runner)

@@ -1,0 +1,183 @@
+"""Device side of the engine: one model's cache pools and its jitted step functions.
+
+The pools are a :class:`ModelCache` whose batch axis is the *state-slot* axis (``num_slots``
+slots plus one scratch slot that padded rows read and write) and whose KV pages are indexed by
+page ids. Every step gathers the rows it serves by slot id, runs a step function of
+:mod:`gdn_jax.models.steps` on a bucketed batch, and scatters the rows back, the pools donated.
+Shapes depend only on the batch bucket, the prefill chunk and the tree size, so a steady state
+compiles nothing (``compiled()`` counts the programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.models import steps
+from gdn_jax.models.cache import ModelCache, init_cache
+from gdn_jax.models.model import HybridLM
+from serving.snapshot_verify import commit_snapshot, verify_tree_snapshot
+
+
+def _rows(pool: ModelCache, slots, page_table, lengths, *, fresh: bool = False) -> ModelCache:
+    """The rows of ``slots``; with ``fresh``, rows at length 0 start from zero states (a slot
+    keeps its last request's state until overwritten)."""
+    conv, ssm = pool.conv[:, slots], pool.ssm[:, slots]
+    if fresh:
+        keep = lengths > 0
+        conv = jnp.where(keep[None, :, None, None], conv, 0)
+        ssm = jnp.where(keep[None, :, None, None, None], ssm, 0)
+    return ModelCache(conv, ssm, pool.k_pages, pool.v_pages, page_table, lengths)
+
+
+def _store(pool: ModelCache, slots, cache: ModelCache) -> ModelCache:
+    return dataclasses.replace(
+        pool,
+        conv=pool.conv.at[:, slots].set(cache.conv),
+        ssm=pool.ssm.at[:, slots].set(cache.ssm),
+        k_pages=cache.k_pages,
+        v_pages=cache.v_pages,
+    )
+
+
+@functools.cache
+def _programs(graphdef):
+    """The jitted step functions of one model structure, shared by every runner of it (so a
+    second engine over the same model compiles nothing new)."""
+
+    def prefill(state, pool, slots, table, lengths, tokens, num_tokens):
+        m = nnx.merge(graphdef, state)
+        logits, cache, hidden = steps.prefill(
+            m,
+            tokens,
+            _rows(pool, slots, table, lengths, fresh=True),
+            num_tokens,
+            return_hidden=True,
+        )
+        logits = logits.astype(jnp.float32)
+        return logits, jnp.argmax(logits, -1), hidden, _store(pool, slots, cache)
+
+    def decode(state, pool, slots, table, lengths, tokens):
+        m = nnx.merge(graphdef, state)
+        cache = _rows(pool, slots, table, lengths)
+        logits, cache, hidden = steps.prefill(
+            m, tokens[:, None], cache, jnp.ones_like(lengths), return_hidden=True
+        )
+        logits = logits.astype(jnp.float32)
+        return logits, jnp.argmax(logits, -1), hidden, _store(pool, slots, cache)
+
+    def verify(state, pool, slots, table, lengths, tokens, parents, *, snapshot):
+        m = nnx.merge(graphdef, state)
+        cache = _rows(pool, slots, table, lengths)
+        if snapshot:
+            logits, tree, hidden = verify_tree_snapshot(m, tokens, parents, cache)
+        else:
+            logits, tree, hidden = steps.verify_tree(m, tokens, parents, cache, return_hidden=True)
+        logits = logits.astype(jnp.float32)
+        return logits, jnp.argmax(logits, -1), hidden, tree
+
+    def commit(pool, slots, table, lengths, tree, path, path_len, *, snapshot):
+        cache = _rows(pool, slots, table, lengths)
+        fn = commit_snapshot if snapshot else steps.commit
+        return _store(pool, slots, fn(cache, tree, path, path_len))
+
+    prefill_j = jax.jit(prefill, donate_argnums=1)
+    decode_j = jax.jit(decode, donate_argnums=1)
+    verify_j = jax.jit(verify, static_argnames="snapshot")
+    commit_j = jax.jit(commit, donate_argnums=0, static_argnames="snapshot")
+    return prefill_j, decode_j, verify_j, commit_j
+
+
+class ModelRunner:
+    """Pools and jitted steps of one model (target or drafter).
+
+    Args:
+      model: the :class:`HybridLM`.
+      num_slots: state slots (most requests at once).
+      num_pages: KV pages in the pool.
+      page_size, pages_per_seq: page geometry; ``pages_per_seq`` is the page-table width.
+    """
+
+    def __init__(
+        self, model: HybridLM, *, num_slots: int, num_pages: int, page_size: int, pages_per_seq: int
+    ):
+        self.model = model
+        self.config = model.config
+        self.scratch = num_slots
+        self.pages_per_seq = pages_per_seq
+        dtype = model.embed_tokens[...].dtype
+        self.pool = init_cache(
+            self.config,
+            num_slots + 1,
+            max_len=page_size,
+            page_size=page_size,
+            num_pages=num_pages,
+            page_table=np.zeros((1, 1), np.int32),
+            dtype=dtype,
+        )
+        graphdef, self._state = nnx.split(model)
+        self._prefill, self._decode, self._verify, self._commit = _programs(graphdef)
+
+    def compiled(self) -> int:
+        """Programs compiled so far by this runner's step functions."""
+        return sum(
+            f._cache_size() for f in (self._prefill, self._decode, self._verify, self._commit)
+        )
+
+    def prefill(self, slots, table, lengths, tokens, num_tokens):
+        """``tokens [B, C]`` (first ``num_tokens[b]`` real) appended to each row:
+        ``(logits [B, V], argmax [B], hidden [B, H])`` at each row's last new token."""
+        logits, am, hidden, self.pool = self._prefill(
+            self._state, self.pool, slots, table, lengths, tokens, num_tokens
+        )
+        return logits, am, hidden
+
+    def decode(self, slots, table, lengths, tokens):
+        logits, am, hidden, self.pool = self._decode(
+            self._state, self.pool, slots, table, lengths, tokens
+        )
+        return logits, am, hidden
+
+    def verify(self, slots, table, lengths, tokens, parents, *, snapshot: bool = False):
+        """``(logits [B, N, V], argmax [B, N], hidden [B, N, H], tree state)``; pools unchanged."""
+        return self._verify(
+            self._state, self.pool, slots, table, lengths, tokens, parents, snapshot=snapshot
+        )
+
+    def commit(self, slots, table, lengths, tree, path, path_len, *, snapshot: bool = False):
+        self.pool = self._commit(
+            self.pool, slots, table, lengths, tree, path, path_len, snapshot=snapshot
+        )
+
+
+@functools.cache
+def _mtp_fn(graphdef):
+    def run(state, hidden, tokens):
+        m = nnx.merge(graphdef, state)
+        h = m.mtp(m.embed(tokens[:, None]), hidden[:, None])
+        logits = m.logits(h[:, 0]).astype(jnp.float32)
+        return logits, h[:, 0]
+
+    return jax.jit(run)
+
+
+class MTPRunner:
+    """The target's MTP head on independent positions: ``(hidden [F, H], tokens [F]) ->
+    (logits [F, V], hidden [F, H])``."""
+
+    def __init__(self, model: HybridLM):
+        if model.mtp is None:
+            raise ValueError("speculative: method='mtp' needs a model with an MTP head")
+        graphdef, self._state = nnx.split(model)
+        self._fn = _mtp_fn(graphdef)
+
+    def compiled(self) -> int:
+        return self._fn._cache_size()
+
+    def __call__(self, hidden, tokens):
+        return self._fn(self._state, hidden, tokens)

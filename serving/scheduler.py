@@ -1,0 +1,172 @@
+"""Requests, admission and preemption.
+
+Memory comes from the :class:`~serving.memory.MemoryManager`: per request one ``state`` slot,
+its speculative scratch (one ``stash`` unit of ``N`` nodes for tree WY, ``N`` ``snapshot``
+units for the snapshot method) and one ``kv`` page per ``page_size`` tokens, grown before each
+step. The step functions read dense slot and page ids of the engine's own pools; the manager's
+handles are mapped one to one onto them (the manager does the accounting, admission and OOM
+decisions; its arena is not what the step functions read, see README).
+
+Preemption is by recompute: the victim (the most recently admitted running request) frees
+everything and goes back to the front of the queue; on readmission it prefills its prompt
+plus all its output but the last token, which stays its pending token. Nothing is sampled
+again, so no token is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Hashable
+
+import numpy as np
+
+from serving.memory import MemoryManager, OutOfMemoryError
+from serving.params import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    index: int
+    rid: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    output: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens in the cache
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    kv_handles: list[int] = dataclasses.field(default_factory=list)
+    hidden: np.ndarray | None = None  # target's hidden state at the last cached token (MTP)
+    finished: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What the cache must hold before decoding: the prompt, and after a preemption all
+        output but the pending last token."""
+        return self.prompt + self.output[:-1]
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prefill_tokens) or not self.output
+
+    def context(self) -> np.ndarray:
+        return np.asarray(self.prompt + self.output, np.int32)
+
+
+class Scheduler:
+    """Waiting queue, running list, and the memory of each running request."""
+
+    def __init__(
+        self,
+        manager: MemoryManager,
+        *,
+        num_slots: int,
+        num_pages: int,
+        page_size: int,
+        pages_per_seq: int,
+        spec_kind: str | None,
+        spec_units: int,
+    ):
+        self.manager = manager
+        self.page_size = page_size
+        self.pages_per_seq = pages_per_seq
+        self.spec_kind = spec_kind
+        self.spec_units = spec_units
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.free_pages = list(range(num_pages - 1, -1, -1))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self.peak_spec_units = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def ensure_tokens(self, req: Request, tokens: int) -> bool:
+        """Grow ``req``'s pages to hold ``tokens`` tokens; False (nothing changed) on OOM."""
+        need = -(-tokens // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if len(req.pages) + need > self.pages_per_seq:
+            raise ValueError(
+                f"max_model_len: request {req.index} needs {tokens} tokens, more than the "
+                f"{self.pages_per_seq * self.page_size} the engine was built for"
+            )
+        try:
+            handles = self.manager.alloc(req.rid, "kv", need)
+        except OutOfMemoryError:
+            return False
+        req.kv_handles += handles
+        req.pages += [self.free_pages.pop() for _ in range(need)]
+        return True
+
+    def _release(self, req: Request) -> None:
+        if self.manager.handles(req.rid):
+            self.manager.free(req.rid)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+        self.free_pages.extend(reversed(req.pages))
+        req.slot, req.pages, req.kv_handles, req.computed, req.hidden = None, [], [], 0, None
+
+    def admit(self, max_running: int, first_chunk: int) -> None:
+        """Admit waiting requests in order while a slot, a state, the speculative scratch and
+        the first chunk's pages fit."""
+        while self.waiting and len(self.running) < max_running and self.free_slots:
+            req = self.waiting[0]
+            try:
+                self.manager.alloc(req.rid, "state", 1)
+                if self.spec_kind is not None:
+                    self.manager.alloc(req.rid, self.spec_kind, self.spec_units)
+            except OutOfMemoryError:
+                self._release(req)
+                return
+            first = min(len(req.prefill_tokens), first_chunk)
+            if not self.ensure_tokens(req, max(first, 1)):
+                self._release(req)
+                return
+            req.slot = self.free_slots.pop()
+            self.waiting.popleft()
+            self.running.append(req)
+            self.peak_spec_units = max(self.peak_spec_units, self._spec_live())
+        if self.waiting and not self.running:
+            req = self.waiting[0]
+            raise OutOfMemoryError(
+                f"memory_budget: request {req.index} does not fit even alone "
+                f"({self.manager.stats()['arena_bytes']} bytes arena)"
+            )
+
+    def _spec_live(self) -> int:
+        s = self.manager.stats()
+        return s["stash_units"] + s["snapshot_slots"]
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def reserve(self, req: Request, tokens: int) -> bool:
+        """Make room for ``req`` to hold ``tokens`` tokens, preempting the most recently
+        admitted requests as needed. False if ``req`` itself was preempted."""
+        while not self.ensure_tokens(req, tokens):
+            if self.running == [req]:
+                raise OutOfMemoryError(
+                    f"memory_budget: request {req.index} needs {tokens} tokens of KV, more than "
+                    f"the arena holds with nothing else running"
+                )
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def finish(self, req: Request) -> None:
+        req.finished = True
+        self.running.remove(req)
+        self._release(req)
