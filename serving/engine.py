@@ -198,7 +198,7 @@ class Engine:
             paths[i, : len(path)] = path
             path_len[i] = len(path)
             nexts.append(nxt)
-        self.runner.commit(slots, table, lens, tree, paths, path_len, snapshot=self.snapshot)
+        self.runner.commit(slots, table, lens, tree, paths, path_len)
         if self.draft_runner is not None:
             chunk = np.zeros((b, self.depth + 1), np.int32)
             for i in range(len(reqs)):

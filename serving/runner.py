@@ -21,7 +21,6 @@ from flax import nnx
 from gdn_jax.models import steps
 from gdn_jax.models.cache import ModelCache, init_cache
 from gdn_jax.models.model import HybridLM
-from serving.snapshot_verify import commit_snapshot, verify_tree_snapshot
 
 
 def _rows(pool: ModelCache, slots, page_table, lengths, *, fresh: bool = False) -> ModelCache:
@@ -74,22 +73,20 @@ def _programs(graphdef):
     def verify(state, pool, slots, table, lengths, tokens, parents, *, snapshot):
         m = nnx.merge(graphdef, state)
         cache = _rows(pool, slots, table, lengths)
-        if snapshot:
-            logits, tree, hidden = verify_tree_snapshot(m, tokens, parents, cache)
-        else:
-            logits, tree, hidden = steps.verify_tree(m, tokens, parents, cache, return_hidden=True)
+        logits, tree, hidden = steps.verify_tree(
+            m, tokens, parents, cache, return_hidden=True, snapshot=snapshot
+        )
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, tree
 
-    def commit(pool, slots, table, lengths, tree, path, path_len, *, snapshot):
+    def commit(pool, slots, table, lengths, tree, path, path_len):
         cache = _rows(pool, slots, table, lengths)
-        fn = commit_snapshot if snapshot else steps.commit
-        return _store(pool, slots, fn(cache, tree, path, path_len))
+        return _store(pool, slots, steps.commit(cache, tree, path, path_len))
 
     prefill_j = jax.jit(prefill, donate_argnums=1)
     decode_j = jax.jit(decode, donate_argnums=1)
     verify_j = jax.jit(verify, static_argnames="snapshot")
-    commit_j = jax.jit(commit, donate_argnums=0, static_argnames="snapshot")
+    commit_j = jax.jit(commit, donate_argnums=0)
     return prefill_j, decode_j, verify_j, commit_j
 
 
@@ -149,10 +146,9 @@ class ModelRunner:
             self._state, self.pool, slots, table, lengths, tokens, parents, snapshot=snapshot
         )
 
-    def commit(self, slots, table, lengths, tree, path, path_len, *, snapshot: bool = False):
-        self.pool = self._commit(
-            self.pool, slots, table, lengths, tree, path, path_len, snapshot=snapshot
-        )
+    def commit(self, slots, table, lengths, tree, path, path_len):
+        """Accepts ``path[b, :path_len[b]]`` of the verified tree (either verify method)."""
+        self.pool = self._commit(self.pool, slots, table, lengths, tree, path, path_len)
 
 
 @functools.cache

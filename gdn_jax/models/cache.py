@@ -37,7 +37,7 @@ class ModelCache:
 
 @dataclasses.dataclass(frozen=True)
 class TreeState:
-    gdn: tuple[TreeCache, ...]
+    gdn: tuple[TreeCache, ...] | tuple[jax.Array, ...]  # per-node snapshots when verified so
     conv_in: jax.Array  # [Lg, B, N, C]
     draft_k: jax.Array  # [La, B, N, Hkv, D]
     draft_v: jax.Array

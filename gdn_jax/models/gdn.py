@@ -21,6 +21,7 @@ from gdn_jax import (
     causal_conv1d,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
+    snapshot_tree_verify,
     tree_causal_conv1d,
     tree_verify,
 )
@@ -108,12 +109,22 @@ class GatedDeltaNet(nnx.Module):
         return self.finish(o, z), new_conv, new_ssm
 
     def tree(
-        self, x: jax.Array, parents: jax.Array, conv_state: jax.Array, ssm_state: jax.Array
-    ) -> tuple[jax.Array, TreeCache, jax.Array]:
+        self,
+        x: jax.Array,
+        parents: jax.Array,
+        conv_state: jax.Array,
+        ssm_state: jax.Array,
+        *,
+        snapshot: bool = False,
+    ) -> tuple[jax.Array, TreeCache | jax.Array, jax.Array]:
         """Every draft node ``x [B, N, H]`` over its own path (conv by the tree conv, the rule by
-        ``tree_verify``). Returns ``(y, TreeCache, qkv pre-conv [B, N, C])`` for the commit."""
+        ``tree_verify``). Returns ``(y, TreeCache, qkv pre-conv [B, N, C])`` for the commit.
+
+        ``snapshot=True`` is the vLLM/SGLang baseline: the rule by ``snapshot_tree_verify``, and
+        the per-node states ``[B, N, Hv, K, V]`` in place of the ``TreeCache``."""
         qkv, z, g, beta = self.project(x)
         mixed = tree_causal_conv1d(qkv, parents, conv_state, self.conv_weight[...])
         q, k, v = self.split(mixed)
-        o, cache = tree_verify(q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True)
+        verify = snapshot_tree_verify if snapshot else tree_verify
+        o, cache = verify(q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True)
         return self.finish(o, z), cache, qkv

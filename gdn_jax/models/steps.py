@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from gdn_jax import ancestor_closure, tree_commit, tree_conv_commit
+from gdn_jax import (
+    TreeCache,
+    ancestor_closure,
+    snapshot_tree_commit,
+    tree_commit,
+    tree_conv_commit,
+)
 from gdn_jax.models.cache import ModelCache, TreeState
 from gdn_jax.models.config import LINEAR
 from gdn_jax.models.model import HybridLM
@@ -115,10 +121,15 @@ def verify_tree(
     cache: ModelCache,
     *,
     return_hidden: bool = False,
+    snapshot: bool = False,
 ):
     """Logits of every draft node as if its root-to-node path had been decoded after the
     committed tokens; the cache is not modified. Returns ``(logits [B, N, V], TreeState)``,
-    and the nodes' normed hidden states ``[B, N, H]`` third with ``return_hidden``."""
+    and the nodes' normed hidden states ``[B, N, H]`` third with ``return_hidden``.
+
+    ``snapshot=True`` verifies the GDN layers by per-node state snapshots (the vLLM/SGLang
+    method; ``TreeState.gdn`` then holds ``[B, N, Hv, K, V]`` states per layer) with everything
+    else identical, so both methods give the same logits."""
     b, n = tokens.shape
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     incl = ancestor_closure(parents)  # [B, N, N]: i on path(n)
@@ -129,7 +140,9 @@ def verify_tree(
     for layer in model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == LINEAR:
-            mixed, tc, qkv = layer.linear_attn.tree(h, parents, cache.conv[gi], cache.ssm[gi])
+            mixed, tc, qkv = layer.linear_attn.tree(
+                h, parents, cache.conv[gi], cache.ssm[gi], snapshot=snapshot
+            )
             gdn.append(tc)
             conv_in.append(qkv)
             gi += 1
@@ -177,7 +190,11 @@ def commit(
     conv = cache.conv
     ssm = cache.ssm
     for gi, tc in enumerate(tree.gdn):
-        ssm = ssm.at[gi].set(tree_commit(cache.ssm[gi], tc, path, path_len))
+        if isinstance(tc, TreeCache):
+            new_state = tree_commit(cache.ssm[gi], tc, path, path_len)
+        else:  # per-node snapshots: the accepted leaf's state
+            new_state = snapshot_tree_commit(cache.ssm[gi], tc, path, path_len)
+        ssm = ssm.at[gi].set(new_state)
         conv = conv.at[gi].set(tree_conv_commit(tree.conv_in[gi], cache.conv[gi], path, path_len))
     k_pages, v_pages = cache.k_pages, cache.v_pages
     if k_pages.shape[0]:
