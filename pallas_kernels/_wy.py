@@ -7,6 +7,7 @@ power-of-two sides (the Triton lowering's rule), and every dot is a plain 2-D ma
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -143,3 +144,38 @@ def wy_block(q, k, v, beta, g_path, decay, strict, s0, precision):
     att = dot(q, k, precision, trans_b=True) * decay
     o = eg * dot(q, s0, precision) + dot(att, u, precision)
     return o, u
+
+
+class TreeLaunch(NamedTuple):
+    """Padded tree inputs and the launch facts both tree kernels' wrappers need."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+    parents: jax.Array
+    npad: int
+    bv: int
+    grp: int
+    scale: float
+
+
+def prepare_tree_launch(q, k, v, g, beta, parents, *, scale, block_v: int) -> TreeLaunch:
+    """Checks a tree kernel's inputs (ValueError naming the limit) and pads ``N`` to a power of
+    two >= 16 with padding nodes (parent -2, zero inputs)."""
+    hk, dk = k.shape[2], k.shape[3]
+    hv, dv = v.shape[2], v.shape[3]
+    if hv % hk:
+        raise ValueError(f"v: value heads Hv={hv} must be a multiple of key heads Hk={hk}")
+    check_pow2_dim("K", dk)
+    check_pow2_dim("V", dv)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(name, x)
+    npad = next_pow2(k.shape[1], 16)
+    q, k, v, g, beta = (pad_axis(x, 1, npad) for x in (q, k, v, g, beta))
+    parents = pad_axis(parents.astype(jnp.int32), 1, npad, value=-2)
+    return TreeLaunch(
+        q, k, v, g, beta, parents, npad=npad, bv=min(block_v, dv), grp=hv // hk,
+        scale=dk**-0.5 if scale is None else float(scale),
+    )  # fmt: skip

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._wy import F32, check_float, check_pow2_dim, next_pow2, pad_axis, prep_rows
+from pallas_kernels._wy import F32, prep_rows, prepare_tree_launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +79,9 @@ def snapshot_verify(
     """
     b, n, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
-    check_pow2_dim("K", dk)
-    check_pow2_dim("V", dv)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_float(name, x)
-    bv = min(blocks.block_v, dv)
-    scale = dk**-0.5 if scale is None else float(scale)
-    npad = next_pow2(n, 16)
-    q, k, v, g, beta = (pad_axis(x, 1, npad) for x in (q, k, v, g, beta))
-    parents = pad_axis(parents.astype(jnp.int32), 1, npad, value=-2)
-    grp = hv // hk
+    t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
+    q, k, v, g, beta, parents = t[:6]
+    npad, bv, grp, scale = t.npad, t.bv, t.grp, t.scale
     kernel = functools.partial(
         _kernel, n_nodes=n, scale=scale, use_l2norm=use_qk_l2norm, interpret=interpret
     )

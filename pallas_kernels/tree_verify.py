@@ -25,13 +25,10 @@ from pallas_kernels._wy import (
     F32,
     DotBlocks,
     ancestor_closure,
-    check_float,
-    check_pow2_dim,
     dot_precision,
     masked_decay,
-    next_pow2,
-    pad_axis,
     prep_rows,
+    prepare_tree_launch,
     wy_block,
 )
 
@@ -99,18 +96,9 @@ def tree_verify(
             f"(a 128-node tile exceeds the 227 KiB shared memory per block), got {n}; "
             "use the XLA path for larger trees"
         )
-    if hv % hk:
-        raise ValueError(f"v: value heads Hv={hv} must be a multiple of key heads Hk={hk}")
-    check_pow2_dim("K", dk)
-    check_pow2_dim("V", dv)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_float(name, x)
-    bv = min(blocks.block_v, dv)
-    scale = dk**-0.5 if scale is None else float(scale)
-    npad = next_pow2(n, 16)
-    q, k, v, g, beta = (pad_axis(x, 1, npad) for x in (q, k, v, g, beta))
-    parents = pad_axis(parents.astype(jnp.int32), 1, npad, value=-2)
-    grp = hv // hk
+    t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
+    q, k, v, g, beta, parents = t[:6]
+    npad, bv, grp, scale = t.npad, t.bv, t.grp, t.scale
 
     kernel = functools.partial(
         _kernel,
