@@ -164,6 +164,23 @@ PRESETS = {
 }
 
 
+# Per-policy metrics of the summary table (means over cells), in table order.
+TABLE_KEYS = (
+    "requests_per_s",
+    "completed",
+    "rejected",
+    "preemptions",
+    "oom_events",
+    "peak_concurrency",
+    "mem_utilisation",
+    "alloc_p50_us",
+    "alloc_p99_us",
+    "alloc_p99_us_single",
+    "migrations",
+    "migrated_bytes",
+)
+
+
 def _lognormal(rng, mean, sigma, n, lo, hi):
     mu = math.log(mean) - sigma * sigma / 2
     return np.clip(rng.lognormal(mu, sigma, n), lo, hi).astype(np.int64)
@@ -307,8 +324,9 @@ class Sim:
             if mm.migrated_bytes != moved0:
                 mm.arena.buffer.block_until_ready()
             host_s += time.perf_counter() - wall0
-            device_s = ((mm.compactions - copies0) * COPY_LAUNCH_S
-                        + 2 * (mm.migrated_bytes - moved0) / HBM_BYTES_PER_S)
+            device_s = (mm.compactions - copies0) * COPY_LAUNCH_S + 2 * (
+                mm.migrated_bytes - moved0
+            ) / HBM_BYTES_PER_S
             manager_device_s += device_s
             step = base + prefill * c_pre + nodes * c_node + device_s
             peak = max(peak, len(running))
@@ -414,8 +432,9 @@ def run_cell(cell: Cell, preset: dict, seed: int) -> dict:
     # no policy completed are left out. The completed-by-both comparison is kept as well.
     horizon = max(m["makespan_s"] for m in out["policies"].values())
     served = ~np.all(np.isnan(np.stack(list(lat.values()))), axis=0)
-    censored = {p: np.where(np.isnan(x), horizon - req["arrival"], x)[served]
-                for p, x in lat.items()}
+    censored = {
+        p: np.where(np.isnan(x), horizon - req["arrival"], x)[served] for p, x in lat.items()
+    }
     out["horizon_s"] = horizon
 
     def verdict_of(ci):
@@ -445,24 +464,10 @@ def summarise(results: list[dict], seed: int) -> dict:
         rows = [r["policies"][p] for r in results]
         summary[p] = {
             k: float(np.mean([x[k] for x in rows]))
-            for k in (
-                "requests_per_s",
-                "completed",
-                "preemptions",
-                "oom_events",
-                "peak_concurrency",
-                "mem_utilisation",
-                "alloc_p50_us",
-                "alloc_p99_us",
-                "alloc_p99_us_single",
-                "migrations",
-                "migrated_bytes",
-                "rejected",
-                "host_step_s",
-                "manager_device_s",
-            )
+            for k in (*TABLE_KEYS, "host_step_s", "manager_device_s")
         }
         summary[p]["alloc_p99_us_max"] = float(max(x["alloc_p99_us"] for x in rows))
+
     def worse_any(r):
         return any(r["ci_latency_s"][b]["verdict"] == "avmp worse" for b in POLICIES[1:])
 
@@ -482,8 +487,10 @@ def summarise(results: list[dict], seed: int) -> dict:
         "shift_cells_avmp_better_than_every_baseline": sum(better_all(r) for r in shift),
         "shift_cells_avmp_worse_than_some_baseline": sum(worse_any(r) for r in shift),
         "shift_throughput_vs_best_baseline_geomean": (
-            math.exp(np.mean([math.log(x) for x in map(ratio_best, shift)
-                              if 0 < x < math.inf])) if shift else None),
+            math.exp(np.mean([math.log(x) for x in map(ratio_best, shift) if 0 < x < math.inf]))
+            if shift
+            else None
+        ),
     }
     for base in POLICIES[1:]:
         # Cells where either side completed nothing have no finite ratio: counted apart.
@@ -506,8 +513,9 @@ def summarise(results: list[dict], seed: int) -> dict:
             "cells_latency_common_better": common.count("avmp better"),
             "cells_latency_common_tie": common.count("tie"),
             "cells_latency_common_worse": common.count("avmp worse"),
-            "cells_worse": [r["name"] for r in results
-                            if r["ci_latency_s"][base]["verdict"] == "avmp worse"],
+            "cells_worse": [
+                r["name"] for r in results if r["ci_latency_s"][base]["verdict"] == "avmp worse"
+            ],
         }
     return summary
 
@@ -527,20 +535,7 @@ def print_table(results: list[dict], summary: dict, per_cell: bool) -> None:
         "migr",
         "MB moved",
     )
-    keys = (
-        "requests_per_s",
-        "completed",
-        "rejected",
-        "preemptions",
-        "oom_events",
-        "peak_concurrency",
-        "mem_utilisation",
-        "alloc_p50_us",
-        "alloc_p99_us",
-        "alloc_p99_us_single",
-        "migrations",
-        "migrated_bytes",
-    )
+    keys = TABLE_KEYS
 
     def row(label, m):
         vals = [m[k] / 1e6 if k == "migrated_bytes" else m[k] for k in keys]
@@ -596,15 +591,21 @@ def write_png(results: list[dict], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed, so no plot was written to {path}; the table and "
-              "JSON are complete. Install it with: pip install matplotlib", file=sys.stderr)
+        print(
+            f"matplotlib is not installed, so no plot was written to {path}; the table and "
+            "JSON are complete. Install it with: pip install matplotlib",
+            file=sys.stderr,
+        )
         return
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for p in POLICIES[1:]:
         # A baseline that completes nothing is drawn at the top of the axis (ratio clipped).
         ratios = sorted(
-            min(r["policies"]["avmp"]["requests_per_s"]
-                / max(r["policies"][p]["requests_per_s"], 1e-12), 100.0)
+            min(
+                r["policies"]["avmp"]["requests_per_s"]
+                / max(r["policies"][p]["requests_per_s"], 1e-12),
+                100.0,
+            )
             for r in results
         )
         ax.plot(ratios, label=f"avmp / {p}")
@@ -649,8 +650,10 @@ def bitcast_cost(config: str = "qwen3.5-35b", reps: int = 50, seed: int = 0) -> 
     w = jnp.asarray(rng.standard_normal(conv.shape[1:], np.float32), conv.dtype)
 
     def consume(s, c):
-        return (jnp.einsum("lhkv,hk->lhv", s, q),
-                jnp.sum(c.astype(jnp.float32) * w.astype(jnp.float32), axis=1))
+        return (
+            jnp.einsum("lhkv,hk->lhv", s, q),
+            jnp.sum(c.astype(jnp.float32) * w.astype(jnp.float32), axis=1),
+        )
 
     @jax.jit
     def through_view(buf, table, handle):
@@ -658,8 +661,11 @@ def bitcast_cost(config: str = "qwen3.5-35b", reps: int = 50, seed: int = 0) -> 
 
     direct = jax.jit(consume)
     table, handle = mm.device_table(), jnp.int32(h)
-    for a, b in zip(through_view(mm.arena.buffer, table, handle),
-                    direct(native["recurrent"], native["conv"]), strict=True):
+    for a, b in zip(
+        through_view(mm.arena.buffer, table, handle),
+        direct(native["recurrent"], native["conv"]),
+        strict=True,
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
     def median_s(fn, *args):
@@ -705,14 +711,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
     ap.add_argument("--json", metavar="PATH", help="write every cell's metrics here")
     ap.add_argument("--png", metavar="PATH", help="plot of AVMP/baseline throughput per cell")
-    ap.add_argument("--json-max-bytes", type=int, default=1 << 20, metavar="N",
-                    help="drop per-request latencies from the JSON when it would exceed N bytes")
+    ap.add_argument(
+        "--json-max-bytes",
+        type=int,
+        default=1 << 20,
+        metavar="N",
+        help="drop per-request latencies from the JSON when it would exceed N bytes",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, help="override the preset's requests per cell")
     ap.add_argument("--limit", type=int, help="run only the first LIMIT cells")
     ap.add_argument("--workers", type=int, default=1, help="processes (spawned) for the cells")
-    ap.add_argument("--bitcast", action="store_true",
-                    help="only measure the bitcast-view read cost (bitcast_cost) and exit")
+    ap.add_argument(
+        "--bitcast",
+        action="store_true",
+        help="only measure the bitcast-view read cost (bitcast_cost) and exit",
+    )
     args = ap.parse_args(argv)
     if args.bitcast:
         res = bitcast_cost()
@@ -763,11 +777,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         text = json.dumps(report, indent=1)
         if len(text) > args.json_max_bytes:
-            slim = dict(report, per_request_latencies="dropped (--json-max-bytes)", cells=[
-                {k: v for k, v in c.items() if k != "policies"}
-                | {"policies": {p: {k: v for k, v in m.items() if k != "latency_s"}
-                                for p, m in c["policies"].items()}}
-                for c in results])
+            slim = dict(
+                report,
+                per_request_latencies="dropped (--json-max-bytes)",
+                cells=[
+                    {k: v for k, v in c.items() if k != "policies"}
+                    | {
+                        "policies": {
+                            p: {k: v for k, v in m.items() if k != "latency_s"}
+                            for p, m in c["policies"].items()
+                        }
+                    }
+                    for c in results
+                ],
+            )
             text = json.dumps(slim, separators=(",", ":"))
         with open(args.json, "w") as f:
             f.write(text)
