@@ -40,6 +40,7 @@ def tree_verify(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2nor
     interpret = _interpret()
     low = q.dtype == k.dtype == v.dtype == jnp.bfloat16
     blocks = pallas_kernels.VerifyBlocks(precision="bf16x3" if low and not interpret else "tf32x3")
+    # (default mode "refine": one-pass dots, bf16 approximate inverse, two refinement steps)
     return pallas_kernels.tree_verify(
         q,
         k,

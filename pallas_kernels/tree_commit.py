@@ -2,13 +2,17 @@
 
     S_new = exp(G_last) S0 + K^T (c * U),   c_n = exp(G_last - G_n) if n on the path else 0
 
-which equals ``exp(G_last) S0 + K_path^T (w * U_path)``: the path selection is a mask over the
-node axis instead of a gather (paths are distinct nodes). One program per (batch row, value head,
+which equals ``exp(G_last) S0 + K_path^T (w * U_path)``. By default the kernel gathers the path's
+rows of ``k``, ``U`` and ``G`` through the path ids (``CommitBlocks.gather``); with
+``gather=False`` it reads all ``N`` rows and selects the path by a mask over the node axis (paths
+are distinct nodes). bf16 keys enter the dot raw (exact products; the l2norm becomes a row scale
+of the weights, which are split into two bf16 halves). One program per (batch row, value head,
 block of value columns); ``S0`` is aliased to the output, so a donated state is updated in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,8 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._wy import (
-    DEFAULT_BLOCKS,
     F32,
+    L2NORM_EPS,
     DotBlocks,
     check_float,
     check_pow2_dim,
@@ -31,23 +35,54 @@ from pallas_kernels._wy import (
 )
 from pallas_kernels.tree_verify import MAX_NODES
 
-CommitBlocks = DotBlocks
+
+@dataclasses.dataclass(frozen=True)
+class CommitBlocks(DotBlocks):
+    """:class:`DotBlocks` plus ``gather``: load only the path's rows of ``k``, ``U`` and ``G``
+    (a gather through the path ids) instead of all ``N`` rows under a mask."""
+
+    gather: bool = True
 
 
-def _kernel(s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref, *, use_l2norm, precision):
+def _kernel(
+    s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref, *, use_l2norm, precision, interpret, gather
+):  # fmt: skip
     path = path_ref[...]  # [D], -1 past path_len
-    g_path = gp_ref[...]
-    n, d = g_path.shape[0], path.shape[0]
-    node = jax.lax.broadcasted_iota(jnp.int32, (d, n), 1)
-    on_path = jnp.max(jnp.where(path[:, None] == node, 1, 0), axis=0) > 0  # [N]
+    d = path.shape[0]
     pos = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
     d_last = jnp.max(jnp.where(path >= 0, pos, -1))
-    last = jnp.sum(jnp.where(pos == d_last, path, 0))
-    g_last = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (n,), 0) == last, g_path, 0.0))
+    if gather:
+        # Rows in path order; rows past path_len read node 0 and get weight 0.
+        rows = jnp.maximum(path, 0)
+        g_rows = gp_ref[rows]
+        kr, ur = k_ref[rows, :], u_ref[rows, :]
+        g_last = jnp.sum(jnp.where(pos == d_last, g_rows, 0.0))
+        on_path = path >= 0
+    else:
+        g_rows = gp_ref[...]
+        n = g_rows.shape[0]
+        node = jax.lax.broadcasted_iota(jnp.int32, (d, n), 1)
+        on_path = jnp.max(jnp.where(path[:, None] == node, 1, 0), axis=0) > 0  # [N]
+        last = jnp.sum(jnp.where(pos == d_last, path, 0))
+        ids = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+        g_last = jnp.sum(jnp.where(ids == last, g_rows, 0.0))
+        kr, ur = k_ref[...], u_ref[...]
     g_last = jnp.where(d_last >= 0, g_last, 0.0)
-    c = masked_decay(g_last, g_path, on_path)
-    k = prep_rows(k_ref[...], use_l2norm)
-    upd = dot(k, c[:, None] * u_ref[...], precision, trans_a=True)
+    c = masked_decay(g_last, g_rows, on_path)
+    if kr.dtype == jnp.bfloat16:
+        # Raw bf16 keys enter the dot as they are (exact products); the l2norm is a row scale
+        # of the weights, and the f32 weights are split into two bf16 halves (2 passes).
+        if use_l2norm:
+            kf = kr.astype(F32)
+            c = c * jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + L2NORM_EPS)
+        w = c[:, None] * ur
+        w_hi = w.astype(jnp.bfloat16)
+        w_lo = (w - w_hi.astype(F32)).astype(jnp.bfloat16)
+        one = None if interpret else jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+        upd = dot(kr, w_hi, one, trans_a=True) + dot(kr, w_lo, one, trans_a=True)
+    else:
+        k = prep_rows(kr, use_l2norm)
+        upd = dot(k, c[:, None] * ur, precision, trans_a=True)
     out_ref[...] = jnp.exp(g_last) * s0_ref[...] + upd
 
 
@@ -60,7 +95,7 @@ def tree_commit(
     path_len: jax.Array,
     *,
     use_qk_l2norm: bool = False,
-    blocks: CommitBlocks = DEFAULT_BLOCKS,
+    blocks: CommitBlocks = CommitBlocks(),
     interpret: bool = False,
 ) -> jax.Array:
     """New state f32 ``[B, Hv, K, V]`` after ``path[b, :path_len[b]]`` (root to leaf).
@@ -87,7 +122,11 @@ def tree_commit(
     grp = hv // hk
 
     kernel = functools.partial(
-        _kernel, use_l2norm=use_qk_l2norm, precision=dot_precision(blocks.precision, interpret)
+        _kernel,
+        use_l2norm=use_qk_l2norm,
+        precision=dot_precision(blocks.precision, interpret),
+        interpret=interpret,
+        gather=getattr(blocks, "gather", False),
     )
     s_spec = pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j))
     return pl.pallas_call(

@@ -1,18 +1,32 @@
 """Tree WY verification of a draft tree through one GDN layer (DESIGN.md section 3), fused.
 
 One program per (batch row, value head, block of value columns). With the inclusive ancestor
-mask ``P`` built in-kernel from the parent ids::
+mask ``P`` (built in-kernel from the parent ids, or passed in precomputed)::
 
-    G = P g;  A[n, i] = beta_n exp(G_n - G_i) (k_n . k_i), i in anc(n)
+    G = P g;  A[n, i] = beta_n exp(G_n - G_i) (k_n . k_i), i a strict ancestor of n
     U = (I + A)^-1 diag(beta) (V - diag(e^G) K S0)
     O = diag(e^G) Q S0 + ((Q K^T) * D) U
 
-``S0`` is read from HBM once; ``K K^T`` and the inverse are recomputed per column block (cheap at
-``N <= 128``). Grouped heads read key head ``h // (Hv // Hk)`` through the index map.
+``S0`` is read from HBM once; grouped heads read key head ``h // (Hv // Hk)`` through the index
+map. How the dots are spent (``VerifyBlocks.mode``):
+
+- ``"refine"`` (default): every dot but one is a single tensor-core pass; exactness comes from the
+  structure, not from split operands. bf16 q/k enter their dots raw (bf16 x bf16 products are
+  exact in the f32 accumulator; the l2norm and scale are row/column scales applied after);
+  ``K S0`` and ``Q S0`` split only the f32 state into two bf16 halves (2 passes, ~2^-16
+  relative). The inverse ``T0 ~ (I + A)^-1`` is built by product doubling in single-pass bf16
+  (``inverse_precision``; tf32 optional) with only as many doublings as the tree is deep
+  (``2^J >= depth``: ``A^depth = 0``), and ``U`` is then corrected by iterative refinement,
+  ``U <- U + T0 (rhs - (I + A) U)`` (``refine_steps``, default 2), whose residual dot runs at
+  ``precision`` (bf16x3/tf32x3): each step multiplies the error by ``|I - T0 (I + A)|``
+  (~4e-3 for a bf16 ``T0``, ~5e-4 for tf32). ``((Q K^T) * D) U`` is one tf32 pass for 2-byte
+  outputs (``output_precision``), 3 passes for f32 outputs.
+- ``"x3"``: the former kernel: every dot at ``precision`` (3 passes), the full doubling.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,10 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._wy import (
-    DEFAULT_BLOCKS,
     F32,
-    DotBlocks,
+    PRECISIONS,
     ancestor_closure,
+    dot,
     dot_precision,
     masked_decay,
     prep_rows,
@@ -33,21 +47,194 @@ from pallas_kernels._wy import (
 )
 
 MAX_NODES = 128
-# On the H200 the Triton build for a 128-node tile asks for 320 KiB of shared memory (the limit is
-# 227 KiB per block); interpret mode has no such limit.
+# On the H200 the Triton build for a 128-node tile asks for more than the 227 KiB of shared
+# memory per block (320 KiB in the x3 mode); interpret mode has no such limit.
 GPU_MAX_NODES = 64
+BF16 = jnp.bfloat16
+ONE_PASS = {"bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32, "tf32": None}
 
 
-VerifyBlocks = DotBlocks
+@dataclasses.dataclass(frozen=True)
+class VerifyBlocks:
+    """Static knobs of the verify kernel.
+
+    ``block_v``: value columns per program; ``num_warps`` / ``num_stages``: Triton launch;
+    ``mode``: ``"refine"`` or ``"x3"`` (module docstring); ``precision``: the 3-pass dots
+    (``"tf32x3"``, ``"bf16x3"`` or ``"highest"``); ``inverse_precision``: the single-pass
+    dots of the approximate inverse (``"tf32"`` or ``"bf16"``); ``refine_steps``: refinement
+    steps of ``U``; ``output_precision``: the ``((Q K^T) * D) U`` dot (``"tf32"``: one pass,
+    below bf16 output rounding; ``"x3"``: at ``precision``; ``"auto"``: ``"tf32"`` for 2-byte
+    outputs, ``"x3"`` for f32); ``depth_loop``: as many doublings as the tree is deep (else
+    ``log2 N``); ``ancestors_input``: the wrapper computes ``P`` with XLA and the kernel
+    loads it (else the kernel squares ``I + onehot(parent)`` itself).
+    """
+
+    block_v: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    precision: str = "tf32x3"
+    mode: str = "refine"
+    inverse_precision: str = "bf16"
+    refine_steps: int = 2
+    output_precision: str = "auto"
+    depth_loop: bool = True
+    ancestors_input: bool = False
+
+    def __post_init__(self):
+        if self.mode not in ("refine", "x3"):
+            raise ValueError(f"blocks.mode: 'refine' or 'x3', got {self.mode!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"blocks.precision: one of {tuple(PRECISIONS)}, got {self.precision!r}")
+        if self.inverse_precision not in ONE_PASS:
+            raise ValueError(
+                f"blocks.inverse_precision: one of {tuple(ONE_PASS)}, got {self.inverse_precision!r}")
+        if self.output_precision not in ("auto", "tf32", "x3"):
+            raise ValueError(
+                f"blocks.output_precision: 'auto', 'tf32' or 'x3', got {self.output_precision!r}")
+        if not 0 <= self.refine_steps <= 4:
+            raise ValueError(f"blocks.refine_steps: 0..4, got {self.refine_steps}")
 
 
-def _kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, s0_ref, o_ref, u_ref, gp_ref,
-    *, scale, use_l2norm, precision,
+DEFAULT_VERIFY_BLOCKS = VerifyBlocks()
+
+
+def _one_pass(name: str, interpret: bool):
+    # CPU has no tf32 and no bf16-algorithm dots: interpret mode runs plain dots (the f32
+    # operands then multiply exactly, which the tests allow for).
+    return None if interpret else ONE_PASS[name]
+
+
+def _closure_bf16(parents: jax.Array) -> jax.Array:
+    """Inclusive ancestor mask from parent ids by repeated squaring in exact bf16 dots."""
+    n = parents.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    reach = ((parents[:, None] == col) | (row == col)).astype(BF16)
+    for _ in range(max(n - 1, 1).bit_length()):
+        prod = jax.lax.dot_general(
+            reach, reach, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        reach = jnp.minimum(prod, 1.0).astype(BF16)
+    return reach > 0.5
+
+
+def ancestor_mask(parents: jax.Array) -> jax.Array:
+    """XLA: bool ``[B, N, N]`` inclusive ancestor mask (exact bf16 squarings, f32 sums)."""
+    n = parents.shape[-1]
+    eye = jnp.eye(n, dtype=bool)
+    reach = (parents[..., :, None] == jnp.arange(n)) | eye
+    for _ in range(max(n - 1, 1).bit_length()):
+        r = reach.astype(BF16)
+        reach = jnp.einsum("bij,bjk->bik", r, r, preferred_element_type=F32) > 0.5
+    return reach
+
+
+def _inverse_doubling(a, iters, precision):
+    """``T ~ (I + A)^-1 = (I - A)(I + A^2)...(I + A^(2^iters))`` for strictly lower ``A``."""
+    n = a.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    t = jnp.where(row == col, 1.0, 0.0) - a
+
+    def body(_, tp):
+        t, p = tp
+        p = dot(p, p, precision)
+        return t + dot(t, p, precision), p
+
+    if isinstance(iters, int):
+        for i in range(iters):
+            t, a = body(i, (t, a))
+        return t
+    return jax.lax.fori_loop(0, iters, body, (t, a))[0]
+
+
+def _rows_scale(x, use_l2norm: bool, scale: float | None):
+    """Row scales ``rsqrt(|x_n|^2 + eps) * scale`` (f32 ``[N]``) that make ``x`` l2-normalised."""
+    n = x.shape[0]
+    s = jnp.ones((n,), F32) if scale is None else jnp.full((n,), scale, F32)
+    if not use_l2norm:
+        return s
+    xf = x.astype(F32)
+    return s * jax.lax.rsqrt(jnp.sum(xf * xf, axis=1) + 1e-6)
+
+
+def _refine_kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, anc_ref, s0_ref, o_ref, u_ref, gp_ref,
+    *, scale, use_l2norm, blocks: VerifyBlocks, interpret,
 ):  # fmt: skip
+    x3 = dot_precision(blocks.precision, interpret)
+    inv_p = _one_pass(blocks.inverse_precision, interpret)
+    out_x3 = blocks.output_precision == "x3" or (
+        blocks.output_precision == "auto" and o_ref.dtype == jnp.float32)
+    out_p = x3 if out_x3 else _one_pass("tf32", interpret)
+    qr, kr = q_ref[...], k_ref[...]
+    low = qr.dtype == BF16 and kr.dtype == BF16
+    rq = _rows_scale(qr, use_l2norm, scale)
+    rk = _rows_scale(kr, use_l2norm, None)
+    s0 = s0_ref[...].astype(F32)
+    if low:
+        # Raw bf16 operands: exact products, f32 accumulation; the state split in two halves.
+        one = _one_pass("bf16", interpret)
+        s_hi = s0.astype(BF16)
+        s_lo = (s0 - s_hi.astype(F32)).astype(BF16)
+        kk = dot(kr, kr, one, trans_b=True)
+        qk = dot(qr, kr, one, trans_b=True)
+        ks = dot(kr, s_hi, one) + dot(kr, s_lo, one)
+        qs = dot(qr, s_hi, one) + dot(qr, s_lo, one)
+    else:
+        qf, kf = qr.astype(F32), kr.astype(F32)
+        kk = dot(kf, kf, x3, trans_b=True)
+        qk = dot(qf, kf, x3, trans_b=True)
+        ks, qs = dot(kf, s0, x3), dot(qf, s0, x3)
+    kk = kk * rk[:, None] * rk[None, :]
+    qk = qk * rq[:, None] * rk[None, :]
+    ks, qs = ks * rk[:, None], qs * rq[:, None]
+
+    if blocks.ancestors_input:
+        incl = anc_ref[...] != 0
+    else:
+        incl = _closure_bf16(anc_ref[...])
+    n = incl.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    strict = incl & (row != col)
+    g_path = jnp.sum(jnp.where(incl, g_ref[...].astype(F32)[None, :], 0.0), axis=1)
+    decay = masked_decay(g_path[:, None], g_path[None, :], incl)
+    beta = beta_ref[...].astype(F32)
+    a = beta[:, None] * jnp.where(strict, decay, 0.0) * kk
+    eg = jnp.exp(g_path)[:, None]
+    rhs = beta[:, None] * (v_ref[...].astype(F32) - eg * ks)
+
+    if blocks.depth_loop:
+        # Nodes on the longest root path; (I + A)^-1 = sum_{m < depth} (-A)^m.
+        depth = jnp.max(jnp.sum(jnp.where(incl, 1, 0), axis=1))
+        factors = jnp.int32(0)
+        for j in range(max(n - 1, 1).bit_length()):
+            factors = factors + (depth > (1 << j)).astype(jnp.int32)
+        iters = jnp.maximum(factors - 1, 0)
+    else:
+        iters = max(n - 1, 1).bit_length() - 1
+    t0 = _inverse_doubling(a, iters, inv_p)
+    u = dot(t0, rhs, inv_p)
+    for _ in range(blocks.refine_steps):
+        r = rhs - u - dot(a, u, x3)
+        u = u + dot(t0, r, inv_p)
+    o = eg * qs + dot(qk * decay, u, out_p)
+    o_ref[...] = o.astype(o_ref.dtype)
+    u_ref[...] = u
+    gp_ref[...] = g_path
+
+
+def _x3_kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, s0_ref, o_ref, u_ref, gp_ref,
+    *, scale, use_l2norm, blocks: VerifyBlocks, interpret,
+):  # fmt: skip
+    precision = dot_precision(blocks.precision, interpret)
     q = prep_rows(q_ref[...], use_l2norm, scale)
     k = prep_rows(k_ref[...], use_l2norm)
-    incl = ancestor_closure(par_ref[...])
+    if blocks.ancestors_input:
+        incl = par_ref[...] != 0
+    else:
+        incl = ancestor_closure(par_ref[...])
     n = incl.shape[0]
     strict = incl & (
         jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
@@ -75,7 +262,7 @@ def tree_verify(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
-    blocks: VerifyBlocks = DEFAULT_BLOCKS,
+    blocks: VerifyBlocks = DEFAULT_VERIFY_BLOCKS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tree WY verify. ``q, k [B, N, Hk, K]``, ``v [B, N, Hv, V]``, ``g, beta [B, N, Hv]``,
@@ -96,16 +283,22 @@ def tree_verify(
             f"(a 128-node tile exceeds the 227 KiB shared memory per block), got {n}; "
             "use the XLA path for larger trees"
         )
+    if not isinstance(blocks, VerifyBlocks):
+        raise ValueError(f"blocks: a VerifyBlocks, got {type(blocks).__name__}")
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
     q, k, v, g, beta, parents = t[:6]
     npad, bv, grp, scale = t.npad, t.bv, t.grp, t.scale
 
+    body = _refine_kernel if blocks.mode == "refine" else _x3_kernel
     kernel = functools.partial(
-        _kernel,
-        scale=scale,
-        use_l2norm=use_qk_l2norm,
-        precision=dot_precision(blocks.precision, interpret),
-    )
+        body, scale=scale, use_l2norm=use_qk_l2norm, blocks=blocks, interpret=interpret)
+    if blocks.ancestors_input:
+        # One XLA computation per call (under jit, CSE shares it between the layers of a step).
+        tree = ancestor_mask(parents).astype(jnp.int8)
+        tree_spec = pl.BlockSpec((None, npad, npad), lambda i, h, j: (i, 0, 0))
+    else:
+        tree = parents
+        tree_spec = pl.BlockSpec((None, npad), lambda i, h, j: (i, 0))
     qk_spec = pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // grp, 0))
     vo_spec = pl.BlockSpec((None, npad, None, bv), lambda i, h, j: (i, 0, h, j))
     gb_spec = pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h))
@@ -118,7 +311,7 @@ def tree_verify(
             vo_spec,
             gb_spec,
             gb_spec,
-            pl.BlockSpec((None, npad), lambda i, h, j: (i, 0)),
+            tree_spec,
             pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j)),
         ],
         out_specs=[vo_spec, vo_spec, gb_spec],
@@ -132,7 +325,7 @@ def tree_verify(
         ),
         interpret=interpret,
         name="gdn_tree_verify",
-    )(q, k, v, g, beta, parents, initial_state)
+    )(q, k, v, g, beta, tree, initial_state)
     if npad != n:
         o, u, g_path = o[:, :n], u[:, :n], g_path[:, :n]
     return o, u, g_path

@@ -33,11 +33,12 @@ def _inputs(parents, hk, hv, dk, dv, dtype, seed=0, decay="mild"):
     return cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(s0)
 
 
-def _check_verify(parents, hk, hv, dk, dv, dtype, l2, decay="mild", seed=0):
+def _check_verify(parents, hk, hv, dk, dv, dtype, l2, decay="mild", seed=0, blocks=None):
     q, k, v, g, beta, s0 = _inputs(parents, hk, hv, dk, dv, dtype, seed, decay)
     o, u, g_path = pk.tree_verify(
-        q, k, v, g, beta, jnp.asarray(parents), s0, use_qk_l2norm=l2, interpret=True
-    )
+        q, k, v, g, beta, jnp.asarray(parents), s0, use_qk_l2norm=l2, interpret=True,
+        blocks=blocks or pk.VerifyBlocks(),
+    )  # fmt: skip
     b, n = parents.shape
     chex.assert_shape((o, u), (b, n, hv, dv))
     chex.assert_type((o, u, g_path), (dtype, jnp.float32, jnp.float32))
@@ -73,11 +74,42 @@ def test_tree_verify_random_trees(kind, n, seed):
     _check_verify(parents, 1, 2, 16, 16, np.float32, True, decay="mixed", seed=seed % 1000)
 
 
-def test_tree_commit_matches_path_state():
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        pk.VerifyBlocks(mode="x3"),
+        pk.VerifyBlocks(ancestors_input=True, block_v=16),
+        pk.VerifyBlocks(depth_loop=False, refine_steps=0, output_precision="x3"),
+        pk.VerifyBlocks(refine_steps=2, inverse_precision="bf16", precision="bf16x3"),
+    ],
+    ids=["x3", "ancestors-input", "static-doubling", "bf16-inverse"],
+)
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_tree_verify_variants(blocks, dtype):
+    """Every VerifyBlocks variant gives the same O and U (chain + forest with padding)."""
+    _check_verify(FIXED_TREE, 1, 2, 16, 32, dtype, True, blocks=blocks)
+
+
+def test_tree_verify_depth_loop_deep_chain():
+    """A 40-node chain needs all six doublings of the depth-adaptive inverse."""
+    parents = (np.arange(40, dtype=np.int32) - 1)[None]
+    _check_verify(parents, 1, 1, 16, 16, np.float32, True, decay="mixed", seed=11)
+
+
+def test_verify_blocks_reject_bad_knobs():
+    for bad in (dict(mode="fast"), dict(precision="f64"), dict(inverse_precision="x3"),
+                dict(output_precision="bf16"), dict(refine_steps=9)):
+        with pytest.raises(ValueError, match="blocks."):
+            pk.VerifyBlocks(**bad)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_tree_commit_matches_path_state(dtype, gather):
     """Commit of the path to every depth equals the float64 state after that path."""
     hk, hv, dk, dv = 1, 2, 16, 16
     (q, k, v, g, beta, s0), (u, g_path), _ = _check_verify(
-        FIXED_TREE, hk, hv, dk, dv, np.float32, True
+        FIXED_TREE, hk, hv, dk, dv, dtype, True
     )
     _, states64 = tree64(q, k, v, g, beta, FIXED_TREE, s0, use_qk_l2norm=True)
     leaves = [8, 9]  # row 0: node 8 under the second root (path 6, 7, 8); row 1: the chain
@@ -87,11 +119,13 @@ def test_tree_commit_matches_path_state():
     for plen in (np.array([len(paths[0]), 0]), np.array([2, len(paths[1])])):
         got = pk.tree_commit(
             s0, k, u, g_path, jnp.asarray(path), jnp.asarray(plen), use_qk_l2norm=True,
-            interpret=True,
+            blocks=pk.CommitBlocks(gather=gather), interpret=True,
         )  # fmt: skip
         chex.assert_shape(got, s0.shape)
         for r in range(2):
             want = np.asarray(s0[r]) if plen[r] == 0 else states64[r, path[r, plen[r] - 1]]
+            # bf16 keys: the float64 states see the same bf16 inputs; U (from the bf16 verify,
+            # f32) and the split weights keep the commit at f32 level.
             assert rel_err(got[r], want) < 2e-5
 
 
