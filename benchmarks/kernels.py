@@ -6,7 +6,9 @@ prefill (Pallas vs flash-linear-attention's Triton ``chunk_gated_delta_rule`` wh
 The floor of each op is ``max(bytes / HBM bandwidth, flops / bf16 matmul rate)``, both measured
 at the start of the same run. Timings: median over ``--reps`` timed calls of one jitted program
 that runs the op on ``R`` distinct input sets back to back (rotating inputs past the L2 and
-amortising the host dispatch), divided by ``R``.
+amortising the host dispatch), divided by ``R``. Verify and commit run the ``R`` sets inside one
+jitted program (:func:`timed_fused`: one dispatch, kernels back to back, as the layers of a model
+step), so small launches are timed on the device, not on the host's dispatch rate.
 
     python benchmarks/kernels.py --json results.json
 """
@@ -16,6 +18,7 @@ amortising the host dispatch), divided by ``R``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -33,6 +36,7 @@ import pallas_kernels as pk  # noqa: E402
 from gdn_jax.chunk import chunk_gated_delta_rule as xla_chunk  # noqa: E402
 from gdn_jax.tree_wy import tree_commit as xla_commit  # noqa: E402
 from gdn_jax.tree_wy import tree_verify as xla_verify  # noqa: E402
+from pallas_kernels.tree_verify import STAGES as VERIFY_STAGES  # noqa: E402
 
 K = V = 128
 HK = 16
@@ -58,6 +62,29 @@ def timed(fn, sets, reps: int, iters: int = 30) -> float:
             out = f(*sets[i % len(sets)])
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / iters)
+    return statistics.median(ts)
+
+
+def timed_fused(fn, sets, reps: int, donate: bool = False) -> float:
+    """Seconds per op when one jitted program runs ``fn`` on every input set back to back (like
+    the layers of one model step: one host dispatch, device launches back to back); median
+    over ``reps`` of the program's time divided by the number of sets. With ``donate`` the
+    sets are single arrays updated in place (``fn`` returns the new array)."""
+    run = lambda xs: [fn(*x) if isinstance(x, tuple) else fn(x) for x in xs]
+    f = jax.jit(run, donate_argnums=0 if donate else ())
+    state = list(sets)
+    out = f(state)
+    jax.block_until_ready(out)
+    if donate:
+        state = out
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = f(state)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / len(sets))
+        if donate:
+            state = out
     return statistics.median(ts)
 
 
@@ -160,7 +187,7 @@ def verify_flops(b, n, hv) -> int:
     return b * hv * per_head
 
 
-def check_verify(b, n, hv, blocks) -> float:
+def check_verify(b, n, hv, blocks, snapshot: bool = True) -> float:
     """Largest relative error vs XLA (o and u of Pallas WY, o of the Pallas snapshot kernel) over
     a random tree and a chain."""
     fx = jax.jit(lambda *a: xla_verify(*a, use_qk_l2norm=True, impl="xla"))
@@ -172,7 +199,7 @@ def check_verify(b, n, hv, blocks) -> float:
         ox, cx = fx(*inp)
         op, up, _ = fp(*inp)
         errs.append(max(rel(op, ox), rel(up, cx.u)))
-        if b * n * hv * K * V * 4 <= 2**32:
+        if snapshot and b * n * hv * K * V * 4 <= 2**32:
             errs.append(rel(fs(*inp)[0], ox))
     return max(errs)
 
@@ -191,20 +218,32 @@ def bench_verify(args, bw, mm, rows):
                 attempt(row, "rel_err_vs_xla", lambda: check_verify(b, n, hv, blocks[0]))
 
                 for i, bl in enumerate(blocks):
-                    attempt(row, f"pallas{i}_us", lambda bl=bl: 1e6 * timed(
+                    if i:
+                        attempt(row, f"rel_err{i}", lambda bl=bl: check_verify(
+                            b, n, hv, bl, snapshot=False))  # fmt: skip
+                    attempt(row, f"pallas{i}_us", lambda bl=bl: 1e6 * timed_fused(
                         lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=bl),
                         sets, args.reps,
                     ))  # fmt: skip
+                if args.breakdown:
+                    for stage in VERIFY_STAGES[1:]:
+                        bl = dataclasses.replace(blocks[0], stop_after=stage)
+                        attempt(row, f"stage_{stage}_us", lambda bl=bl: 1e6 * timed_fused(
+                            lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=bl),
+                            sets, args.reps,
+                        ))  # fmt: skip
                 row["pallas_us"] = min(row.get(f"pallas{i}_us", 1e30) for i in range(len(blocks)))
+                row["best_variant"] = min(
+                    range(len(blocks)), key=lambda i: row.get(f"pallas{i}_us", 1e30))
                 if not args.no_xla:
-                    attempt(row, "xla_us", lambda: 1e6 * timed(
+                    attempt(row, "xla_us", lambda: 1e6 * timed_fused(
                         lambda *a: xla_verify(*a, use_qk_l2norm=True, impl="xla")[0],
                         sets[: max(1, r // 4)], args.reps,
                     ))  # fmt: skip
                 snap_bytes = b * n * hv * K * V * 4
                 if not args.no_snapshot and snap_bytes <= args.snapshot_max_gb * 2**30:
                     rs = n_sets(snap_bytes, cap=8)
-                    attempt(row, "snapshot_us", lambda: 1e6 * timed(
+                    attempt(row, "snapshot_us", lambda: 1e6 * timed_fused(
                         lambda *a: pk.snapshot_verify(*a, use_qk_l2norm=True), sets[:rs], args.reps
                     ))  # fmt: skip
                 row["pallas_over_floor"] = row["pallas_us"] / row["floor_us"]
@@ -239,20 +278,15 @@ def bench_commit(args, bw, mm, rows):
                 row["floor_us"] = 1e6 * byts / bw
                 path_j, plen_j = jnp.asarray(path), jnp.asarray(plen)
 
-                def run(fn, r=r, s0=s0, iters=30):
-                    f = jax.jit(fn, donate_argnums=0)
-                    states = [f(s0 + 0.001 * i) for i in range(r)]
-                    jax.block_until_ready(states)
-                    ts = []
-                    for _ in range(args.reps):
-                        t0 = time.perf_counter()
-                        for i in range(iters):
-                            states[i % r] = f(states[i % r])
-                        jax.block_until_ready(states)
-                        ts.append((time.perf_counter() - t0) / iters)
-                    return 1e6 * statistics.median(ts)
+                def run(fn, r=r, s0=s0):
+                    states = [s0 + 0.001 * i for i in range(r)]
+                    return 1e6 * timed_fused(fn, states, args.reps, donate=True)
 
                 for i, bl in enumerate(blocks):
+                    if i:
+                        row[f"rel_err{i}"] = rel(pk.tree_commit(
+                            s0, cache.k, cache.u, cache.g_path, jnp.asarray(path),
+                            jnp.asarray(plen), use_qk_l2norm=True, blocks=bl), ref)  # fmt: skip
                     attempt(row, f"pallas{i}_us", lambda bl=bl: run(
                         lambda s, bl=bl: pk.tree_commit(
                             s, cache.k, cache.u, cache.g_path, path_j, plen_j,
@@ -310,6 +344,21 @@ def bench_chunk(args, bw, mm, rows):
                 [args_], args.reps,
             ))  # fmt: skip
         row["pallas_us"] = min(row.get(f"pallas{i}_us", 1e30) for i in range(len(blocks)))
+        if args.chunk_v2 or args.chunk_v2_blocks:  # three-kernel prefill (pallas_kernels/chunk_v2)
+            v2_blocks = parse_blocks(args.chunk_v2_blocks, pk.ChunkV2Blocks)
+            v2 = lambda *a, bl: pk.chunk_gated_delta_rule_v2(
+                *a, use_qk_l2norm=True, blocks=bl, chunk_size=args.chunk_v2_size
+            )  # fmt: skip
+
+            def check_v2(args_=args_, ox=ox, sx=sx):
+                op, sp = jax.jit(functools.partial(v2, bl=v2_blocks[0]))(*args_)
+                return max(rel(op, ox), rel(sp, sx))
+
+            attempt(row, "v2_rel_err_vs_xla", check_v2)
+            for i, bl in enumerate(v2_blocks):
+                attempt(row, f"v2_{i}_us", lambda bl=bl, args_=args_: 1e6 * timed(
+                    functools.partial(v2, bl=bl), [args_], args.reps))  # fmt: skip
+            row["v2_us"] = min(row.get(f"v2_{i}_us", 1e30) for i in range(len(v2_blocks)))
         if not args.no_xla:
             attempt(row, "xla_us", lambda args_=args_: 1e6 * timed(
                 lambda *a: xla_chunk(*a, use_qk_l2norm=True, impl="xla"), [args_], args.reps
@@ -334,18 +383,26 @@ def bench_chunk(args, bw, mm, rows):
                 call, warmup=100, rep=500, return_mode="median"))  # fmt: skip
             if "fla_us" in row:
                 row["pallas_over_fla"] = row["pallas_us"] / row["fla_us"]
+            if "fla_us" in row and "v2_us" in row:
+                row["v2_over_fla"] = row["v2_us"] / row["fla_us"]
         rows.append(row)
         print_row(row)
+
+
+def parse_value(val: str):
+    if val.lower() in ("true", "false"):
+        return val.lower() == "true"
+    try:
+        return int(val)
+    except ValueError:
+        return val
 
 
 def parse_blocks(specs: list[str], cls):
     out = []
     for spec in specs:
-        kw = {}
-        for item in filter(None, spec.split(",")):
-            key, val = item.split("=")
-            kw[key] = val if key == "precision" else int(val)
-        out.append(cls(**kw))
+        kw = dict(item.split("=") for item in filter(None, spec.split(",")))
+        out.append(cls(**{key: parse_value(val) for key, val in kw.items()}))
     return out or [cls()]
 
 
@@ -396,6 +453,12 @@ def main(argv=None):
     )  # fmt: skip
     p.add_argument("--chunk-hv", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=32, help="64 does not build on the H200")
+    p.add_argument("--chunk-v2", action="store_true", help="also time pk.chunk_gated_delta_rule_v2")
+    p.add_argument(
+        "--chunk-v2-blocks", action="append", default=[],
+        help="ChunkV2Blocks fields, e.g. 'block_v_state=16,h_bf16=true'; repeatable; implies --chunk-v2",
+    )  # fmt: skip
+    p.add_argument("--chunk-v2-size", type=int, default=64)
     p.add_argument("--snapshot-max-gb", type=float, default=40.0)
     p.add_argument("--no-snapshot", action="store_true")
     p.add_argument("--no-xla", action="store_true")
@@ -404,6 +467,14 @@ def main(argv=None):
     p.add_argument(
         "--dry-run", action="store_true",
         help="CPU check of this script: kernels in interpret mode, tiny ceiling measurements",
+    )  # fmt: skip
+    p.add_argument(
+        "--breakdown", action="store_true",
+        help="also time the verify kernel cut after each stage (VerifyBlocks.stop_after)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-max-nodes", type=int, default=0,
+        help="try the verify kernel on GPU up to this many nodes (default: the kernel's limit)",
     )  # fmt: skip
     p.add_argument("--watchdog", type=float, default=0, help="dump stacks every this many s")
     args = p.parse_args(argv)
@@ -416,10 +487,14 @@ def main(argv=None):
 
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
 
+    if args.gpu_max_nodes:
+        # (the package's ``tree_verify`` attribute is the function, so go through sys.modules)
+        sys.modules["pallas_kernels.tree_verify"].GPU_MAX_NODES = args.gpu_max_nodes
     dev = jax.devices()[0]
     log("measuring bandwidth and matmul rate")
     if args.dry_run:
-        for name in ("tree_verify", "tree_commit", "snapshot_verify", "chunk_gated_delta_rule"):
+        for name in ("tree_verify", "tree_commit", "snapshot_verify", "chunk_gated_delta_rule",
+                     "chunk_gated_delta_rule_v2"):  # fmt: skip
             setattr(pk, name, functools.partial(getattr(pk, name), interpret=True))
     bw = measure_bandwidth(args.reps, 1 << 20 if args.dry_run else 256 << 20)
     mm = measure_matmul(args.reps, 256 if args.dry_run else 8192)
@@ -437,10 +512,22 @@ def main(argv=None):
                 print(f"# {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
             dump(args, dev, bw, mm, rows)
     vr = [r for r in rows if r["op"] == "tree_verify"]
+    if vr and args.breakdown:
+        print("\n## tree_verify cut after each stage (us; variant 0)\n")
+        stages = [f"stage_{st}_us" for st in VERIFY_STAGES[1:]]
+        print(table(vr, ["Hv", "B", "N", *stages, "pallas0_us"]))
     if vr:
         print("\n## tree_verify (us per layer)\n")
         print(table(vr, ["Hv", "B", "N", "pallas_us", "xla_us", "snapshot_us", "floor_us",
-                         "pallas_over_floor", "snapshot_over_pallas", "rel_err_vs_xla"]))  # fmt: skip
+                         "pallas_over_floor", "snapshot_over_pallas", "rel_err_vs_xla",
+                         "best_variant"]))  # fmt: skip
+        nv = max(len(args.verify_blocks), 1)
+        if nv > 1:
+            print("\n## tree_verify variants (us; rel err vs XLA)\n")
+            for i, spec in enumerate(args.verify_blocks):
+                print(f"- variant {i}: {spec}")
+            cols = [f"pallas{i}_us" for i in range(nv)] + [f"rel_err{i}" for i in range(1, nv)]
+            print(table(vr, ["Hv", "B", "N", *cols]))
         print("\n## speculative memory per draft node, one layer (bytes)\n")
         mem = {(r["Hv"]): r for r in vr}
         print("| Hv | WY (U, k, G, parent) | snapshot (K x V state) | ratio |\n|---|---|---|---|")
@@ -452,11 +539,18 @@ def main(argv=None):
         print("\n## tree_commit (us per layer)\n")
         print(table(cr, ["Hv", "B", "N", "D", "pallas_us", "xla_us", "floor_us",
                          "pallas_over_floor", "rel_err_vs_xla"]))  # fmt: skip
+        nc = max(len(args.commit_blocks), 1)
+        if nc > 1:
+            for i, spec in enumerate(args.commit_blocks):
+                print(f"- commit variant {i}: {spec}")
+            cols = [f"pallas{i}_us" for i in range(nc)] + [f"rel_err{i}" for i in range(1, nc)]
+            print(table(cr, ["Hv", "B", "N", *cols]))
     pr = [r for r in rows if r["op"] == "chunk"]
     if pr:
         print("\n## chunk prefill (us per layer)\n")
-        print(table(pr, ["Hv", "B", "T", "pallas_us", "fla_us", "xla_us", "floor_us",
-                         "pallas_over_fla", "rel_err_vs_xla", "fla_rel_err_vs_xla"]))  # fmt: skip
+        print(table(pr, ["Hv", "B", "T", "pallas_us", "v2_us", "fla_us", "xla_us", "floor_us",
+                         "pallas_over_fla", "v2_over_fla", "rel_err_vs_xla", "v2_rel_err_vs_xla",
+                         "fla_rel_err_vs_xla"]))  # fmt: skip
 
 
 if __name__ == "__main__":

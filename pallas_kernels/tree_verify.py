@@ -51,6 +51,8 @@ MAX_NODES = 128
 # memory per block (320 KiB in the x3 mode); interpret mode has no such limit.
 GPU_MAX_NODES = 64
 BF16 = jnp.bfloat16
+# Diagnostic cut points of the refine kernel ("" = the whole kernel).
+STAGES = ("", "load", "products", "matrix", "inverse", "refine")
 ONE_PASS = {"bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32, "tf32": None}
 
 
@@ -66,7 +68,10 @@ class VerifyBlocks:
     below bf16 output rounding; ``"x3"``: at ``precision``; ``"auto"``: ``"tf32"`` for 2-byte
     outputs, ``"x3"`` for f32); ``depth_loop``: as many doublings as the tree is deep (else
     ``log2 N``); ``ancestors_input``: the wrapper computes ``P`` with XLA and the kernel
-    loads it (else the kernel squares ``I + onehot(parent)`` itself).
+    loads it (else the kernel squares ``I + onehot(parent)`` itself); ``stop_after``:
+    **diagnostics only** (``benchmarks/kernels.py --breakdown``): end the kernel after one of
+    :data:`STAGES` and store what exists then (the outputs are not the verify's), so the
+    stages' costs can be timed apart.
     """
 
     block_v: int = 64
@@ -79,6 +84,7 @@ class VerifyBlocks:
     output_precision: str = "auto"
     depth_loop: bool = True
     ancestors_input: bool = False
+    stop_after: str = ""
 
     def __post_init__(self):
         if self.mode not in ("refine", "x3"):
@@ -93,6 +99,10 @@ class VerifyBlocks:
                 f"blocks.output_precision: 'auto', 'tf32' or 'x3', got {self.output_precision!r}")
         if not 0 <= self.refine_steps <= 4:
             raise ValueError(f"blocks.refine_steps: 0..4, got {self.refine_steps}")
+        if self.stop_after not in STAGES:
+            raise ValueError(f"blocks.stop_after: one of {STAGES}, got {self.stop_after!r}")
+        if self.stop_after and self.mode != "refine":
+            raise ValueError("blocks.stop_after: only the 'refine' mode has stages")
 
 
 DEFAULT_VERIFY_BLOCKS = VerifyBlocks()
@@ -171,6 +181,22 @@ def _refine_kernel(
     rq = _rows_scale(qr, use_l2norm, scale)
     rk = _rows_scale(kr, use_l2norm, None)
     s0 = s0_ref[...].astype(F32)
+    stop = blocks.stop_after
+
+    def cut(o, u, gp):
+        o_ref[...] = o.astype(o_ref.dtype)
+        u_ref[...] = u
+        gp_ref[...] = gp
+
+    if stop == "load":
+        anc = anc_ref[...].astype(F32)
+        col_sum = jnp.sum(s0, axis=0)[None, :]
+        rows = rq + rk + g_ref[...].astype(F32) + beta_ref[...].astype(F32)
+        if anc.ndim == 2:
+            rows = rows + jnp.sum(anc, axis=1)
+        else:
+            rows = rows + anc
+        return cut(v_ref[...].astype(F32) + col_sum, rows[:, None] + col_sum, rows)
     if low:
         # Raw bf16 operands: exact products, f32 accumulation; the state split in two halves.
         one = _one_pass("bf16", interpret)
@@ -188,6 +214,9 @@ def _refine_kernel(
     kk = kk * rk[:, None] * rk[None, :]
     qk = qk * rq[:, None] * rk[None, :]
     ks, qs = ks * rk[:, None], qs * rq[:, None]
+    if stop == "products":
+        rows = jnp.sum(kk + qk, axis=1)
+        return cut(qs, ks + rows[:, None], rows)
 
     if blocks.ancestors_input:
         incl = anc_ref[...] != 0
@@ -203,6 +232,8 @@ def _refine_kernel(
     a = beta[:, None] * jnp.where(strict, decay, 0.0) * kk
     eg = jnp.exp(g_path)[:, None]
     rhs = beta[:, None] * (v_ref[...].astype(F32) - eg * ks)
+    if stop == "matrix":
+        return cut(qs, rhs + jnp.sum(a, axis=1)[:, None], g_path)
 
     if blocks.depth_loop:
         # Nodes on the longest root path; (I + A)^-1 = sum_{m < depth} (-A)^m.
@@ -215,9 +246,13 @@ def _refine_kernel(
         iters = max(n - 1, 1).bit_length() - 1
     t0 = _inverse_doubling(a, iters, inv_p)
     u = dot(t0, rhs, inv_p)
+    if stop == "inverse":
+        return cut(qs, u, g_path)
     for _ in range(blocks.refine_steps):
         r = rhs - u - dot(a, u, x3)
         u = u + dot(t0, r, inv_p)
+    if stop == "refine":
+        return cut(qs, u, g_path)
     o = eg * qs + dot(qk * decay, u, out_p)
     o_ref[...] = o.astype(o_ref.dtype)
     u_ref[...] = u
