@@ -79,7 +79,7 @@ def test_tree_verify_random_trees(kind, n, seed):
     [
         pk.VerifyBlocks(mode="x3"),
         pk.VerifyBlocks(ancestors_input=True, block_v=16),
-        pk.VerifyBlocks(depth_loop=False, refine_steps=0, output_precision="x3"),
+        pk.VerifyBlocks(depth_loop=False, refine_steps=0, output_precision="tf32"),
         pk.VerifyBlocks(refine_steps=2, inverse_precision="bf16", precision="bf16x3"),
     ],
     ids=["x3", "ancestors-input", "static-doubling", "bf16-inverse"],
