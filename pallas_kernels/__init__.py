@@ -23,3 +23,9 @@ __all__ = [
     "tree_commit",
     "tree_verify",
 ]
+
+# The three-kernel chunked prefill (intra-chunk solve, state recurrence, outputs; chunk 64).
+from pallas_kernels.chunk_v2 import ChunkV2Blocks  # noqa: E402
+from pallas_kernels.chunk_v2 import chunk_gated_delta_rule as chunk_gated_delta_rule_v2  # noqa: E402
+
+__all__ += ["ChunkV2Blocks", "chunk_gated_delta_rule_v2"]
