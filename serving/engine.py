@@ -15,7 +15,7 @@ import numpy as np
 from serving.acceptance import greedy_accept, rejection_accept, sample, target_probs
 from serving.drafters import ModelDrafter, MTPDrafter, NgramDrafter
 from serving.params import SpecConfig
-from serving.runner import ModelRunner
+from serving.runner import ArenaRunner, ModelRunner
 from serving.scheduler import Request, Scheduler
 from serving.spec_trees import TreeBuilder
 
@@ -29,7 +29,7 @@ def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
 class Engine:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: ArenaRunner | ModelRunner,
         scheduler: Scheduler,
         *,
         max_num_seqs: int,
@@ -63,16 +63,29 @@ class Engine:
 
     # ------------------------------------------------------------------------------ batches
 
-    def _rows(self, reqs: list[Request], lengths: list[int] | None = None):
+    def _rows(self, reqs: list[Request]):
+        """The batch padded to its bucket: ``(target rows, draft rows)``, each ``(ids [B],
+        page table [B, MP], lengths [B])``. The target's are the manager's handles (``state``
+        handle, ``kv`` handles; ``-1`` padding) with the arena cache, else dense slot / page
+        ids; the draft model's are always dense ids of its own pools."""
         b = next(x for x in self.buckets if x >= len(reqs))
-        slots = np.full(b, self.runner.scratch, np.int32)
-        table = np.full((b, self.sched.pages_per_seq), -1, np.int32)
+        mp = self.sched.pages_per_seq
         lens = np.zeros(b, np.int32)
+        handles = np.full(b, -1, np.int32)
+        kv = np.full((b, mp), -1, np.int32)
+        scratch = self.draft_runner.scratch if self.draft_runner is not None else 0
+        if self.runner.kind == "pools":
+            scratch = self.runner.scratch
+        slots = np.full(b, scratch, np.int32)
+        pages = np.full((b, mp), -1, np.int32)
         for i, r in enumerate(reqs):
+            lens[i] = r.computed
+            handles[i] = r.state_handle
+            kv[i, : len(r.kv_handles)] = r.kv_handles
             slots[i] = r.slot
-            table[i, : len(r.pages)] = r.pages
-            lens[i] = r.computed if lengths is None else lengths[i]
-        return slots, table, lens
+            pages[i, : len(r.pages)] = r.pages
+        dense = (slots, pages, lens)
+        return ((handles, kv, lens) if self.runner.kind == "arena" else dense), dense
 
     def _emit(self, req: Request, tokens: list[int], now: float) -> None:
         p = req.params
@@ -118,16 +131,17 @@ class Engine:
                 self._speculate(decodes)
 
     def _prefill(self, reqs: list[Request]) -> None:
-        slots, table, lens = self._rows(reqs)
-        tokens = np.zeros((slots.shape[0], self.chunk), np.int32)
-        counts = np.zeros(slots.shape[0], np.int32)
+        rows, draft_rows = self._rows(reqs)
+        b = rows[0].shape[0]
+        tokens = np.zeros((b, self.chunk), np.int32)
+        counts = np.zeros(b, np.int32)
         for i, r in enumerate(reqs):
             todo = r.prefill_tokens[r.computed : r.computed + self.chunk]
             tokens[i, : len(todo)] = todo
             counts[i] = len(todo)
-        logits, am, hidden = self.runner.prefill(slots, table, lens, tokens, counts)
+        logits, am, hidden = self.runner.prefill(*rows, tokens, counts)
         if self.draft_runner is not None:
-            self.draft_runner.prefill(slots, table, lens, tokens, counts)
+            self.draft_runner.prefill(*draft_rows, tokens, counts)
         done = [i for i, r in enumerate(reqs) if r.computed + counts[i] == len(r.prefill_tokens)]
         now = time.perf_counter()
         if done:
@@ -143,11 +157,11 @@ class Engine:
                 self._emit(r, [self._sample(r, logits_h[i], am_h[i], 0)], now)
 
     def _decode(self, reqs: list[Request]) -> None:
-        slots, table, lens = self._rows(reqs)
-        tokens = np.zeros(slots.shape[0], np.int32)
+        rows, _ = self._rows(reqs)
+        tokens = np.zeros(rows[0].shape[0], np.int32)
         for i, r in enumerate(reqs):
             tokens[i] = r.output[-1]
-        logits, am, _ = self.runner.decode(slots, table, lens, tokens)
+        logits, am, _ = self.runner.decode(*rows, tokens)
         am = np.asarray(am)
         logits_h = None if all(r.params.greedy for r in reqs) else np.asarray(logits)
         now = time.perf_counter()
@@ -158,9 +172,8 @@ class Engine:
 
     def _speculate(self, reqs: list[Request]) -> None:
         spec, n = self.spec, self.num_nodes
-        rows = self._rows(reqs)
-        slots, table, lens = rows
-        b = slots.shape[0]
+        rows, draft_rows = self._rows(reqs)
+        b = rows[0].shape[0]
         builders = []
         for r in reqs:
             rng = None
@@ -171,7 +184,7 @@ class Engine:
         self.drafter.draft(
             [r.context() for r in reqs],
             builders,
-            rows=rows,
+            rows=draft_rows,
             temperature=max(temps) if len(set(temps)) == 1 else 1.0,
             hidden=[r.hidden for r in reqs],
         )
@@ -181,7 +194,7 @@ class Engine:
         for i, tb in enumerate(builders):
             tokens[i], parents[i] = tb.arrays(n)
         logits, am, hidden, tree = self.runner.verify(
-            slots, table, lens, tokens, parents, snapshot=self.snapshot
+            *rows, tokens, parents, snapshot=self.snapshot
         )
         am = np.asarray(am)
         logits_h = None if all(r.params.greedy for r in reqs) else np.asarray(logits)
@@ -198,12 +211,13 @@ class Engine:
             paths[i, : len(path)] = path
             path_len[i] = len(path)
             nexts.append(nxt)
-        self.runner.commit(slots, table, lens, tree, paths, path_len)
+        self.runner.commit(*rows, tree, paths, path_len)
+        del tree  # the speculative scratch: freed before the next step
         if self.draft_runner is not None:
             chunk = np.zeros((b, self.depth + 1), np.int32)
             for i in range(len(reqs)):
                 chunk[i, : path_len[i]] = tokens[i, paths[i, : path_len[i]]]
-            self.draft_runner.prefill(slots, table, lens, chunk, path_len)
+            self.draft_runner.prefill(*draft_rows, chunk, path_len)
         if isinstance(self.drafter, MTPDrafter):
             hidden = np.asarray(hidden)
         now = time.perf_counter()

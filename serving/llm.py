@@ -17,7 +17,7 @@ from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
 from serving.engine import Engine, buckets_for, make_drafter
 from serving.memory import MemoryManager, layout_for
 from serving.params import SamplingParams, SpecConfig
-from serving.runner import ModelRunner, MTPRunner
+from serving.runner import ArenaRunner, ModelRunner, MTPRunner
 from serving.scheduler import Request, Scheduler
 
 _ids = itertools.count()
@@ -87,7 +87,12 @@ class LLM:
       page_size: tokens per KV page. prefill_chunk: tokens per request per prefill step.
       batch_buckets: the padded batch sizes the steps compile for (default: powers of two
         below ``max_num_seqs``, and ``max_num_seqs``); the largest must be ``max_num_seqs``.
-      dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``).
+      dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
+        stored in it too, the recurrent state in f32.
+      cache: where the target's cache lives. ``"arena"`` (default): only in the memory
+        manager's arena, read and written through the requests' handles (KV pages and state
+        slots exist once). ``"pools"``: the engine's own per-layer pools, the manager only
+        accounting (the cache is then held twice; kept as a reference for tests).
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class LLM:
         segment_bytes: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
+        cache: str = "arena",
     ):
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -116,6 +122,8 @@ class LLM:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+        if cache not in ("arena", "pools"):
+            raise ValueError(f"cache must be 'arena' or 'pools', got {cache!r}")
         if speculative is not None and not isinstance(speculative, SpecConfig):
             raise ValueError(f"speculative must be a SpecConfig or None, got {speculative!r}")
         if batch_buckets is None:
@@ -132,9 +140,9 @@ class LLM:
         self.speculative = speculative
         self.tokenizer = _tokenizer_for(model)
         pages_per_seq = -(-max_model_len // page_size)
-        num_pages = max_num_seqs * pages_per_seq
         n = speculative.num_nodes if speculative else 1
         layout = layout_for(hf_layout_dict(self.config), page_size, spec_nodes=n, kv_dtype=dtype)
+        layout = dataclasses.replace(layout, conv_dtype=dtype)  # the model's conv state dtype
         spec_kind = None
         if speculative is not None:
             spec_kind = "snapshot" if speculative.verify == "snapshot" else "stash"
@@ -151,13 +159,20 @@ class LLM:
         )
         self.layout = layout
         self.spec_bytes_per_request = spec_units * layout.unit_bytes(spec_kind) if spec_kind else 0
-        self.runner = ModelRunner(
-            self.model,
-            num_slots=max_num_seqs,
-            num_pages=num_pages,
-            page_size=page_size,
-            pages_per_seq=pages_per_seq,
-        )
+        # a kv handle holds tokens_per_page tokens (more than page_size under unified_padded)
+        page_size = self.manager.tokens_per_page
+        pages_per_seq = -(-max_model_len // page_size)
+        num_pages = max_num_seqs * pages_per_seq
+        if cache == "arena":
+            self.runner = ArenaRunner(self.model, self.manager)
+        else:
+            self.runner = ModelRunner(
+                self.model,
+                num_slots=max_num_seqs,
+                num_pages=num_pages,
+                page_size=page_size,
+                pages_per_seq=pages_per_seq,
+            )
         draft_runner = mtp_runner = None
         if speculative is not None and speculative.method == "draft_model":
             draft = load_model(speculative.draft_model, jdtype, seed + 1)

@@ -1,4 +1,14 @@
-"""Device side of the engine: one model's cache pools and its jitted step functions.
+"""Device side of the engine: one model's cache storage and its jitted step functions.
+
+Two storages, one set of step functions (:mod:`gdn_jax.models.steps`):
+
+- :class:`ArenaRunner` (the engine's default for the target model): the cache lives only in
+  the memory manager's arena (``MemoryManager.arena.buffer``, donated to every step so it is
+  updated in place), addressed by the requests' ``state`` and ``kv`` handles through the
+  manager's device handle table (:class:`serving.memory.model_cache.ArenaCache`). Migrations
+  and compactions move units and update the table; the next step reads the new table.
+- :class:`ModelRunner`: its own pools (``cache="pools"``, and the draft model, which the
+  manager does not hold).
 
 The pools are a :class:`ModelCache` whose batch axis is the *state-slot* axis (``num_slots``
 slots plus one scratch slot that padded rows read and write) and whose KV pages are indexed by
@@ -21,6 +31,8 @@ from flax import nnx
 from gdn_jax.models import steps
 from gdn_jax.models.cache import ModelCache, init_cache
 from gdn_jax.models.model import HybridLM
+from serving.memory import MemoryManager
+from serving.memory.model_cache import ArenaCache, ArenaSpec
 
 
 def _rows(pool: ModelCache, slots, page_table, lengths, *, fresh: bool = False) -> ModelCache:
@@ -91,7 +103,8 @@ def _programs(graphdef):
 
 
 class ModelRunner:
-    """Pools and jitted steps of one model (target or drafter).
+    """Pools and jitted steps of one model (target or drafter). Rows are addressed by dense
+    slot ids and page ids of its own pools.
 
     Args:
       model: the :class:`HybridLM`.
@@ -103,6 +116,7 @@ class ModelRunner:
     def __init__(
         self, model: HybridLM, *, num_slots: int, num_pages: int, page_size: int, pages_per_seq: int
     ):
+        self.kind = "pools"
         self.model = model
         self.config = model.config
         self.scratch = num_slots
@@ -149,6 +163,144 @@ class ModelRunner:
     def commit(self, slots, table, lengths, tree, path, path_len):
         """Accepts ``path[b, :path_len[b]]`` of the verified tree (either verify method)."""
         self.pool = self._commit(self.pool, slots, table, lengths, tree, path, path_len)
+
+
+@functools.cache
+def _arena_programs(graphdef, spec: ArenaSpec):
+    """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
+    decode, commit); ``verify`` only reads it."""
+
+    def cache_of(buf, table, handles, pages, lengths):
+        return ArenaCache(buf, table, handles, pages, lengths, spec)
+
+    def prefill(state, buf, table, handles, pages, lengths, tokens, num_tokens):
+        m = nnx.merge(graphdef, state)
+        logits, cache, hidden = steps.prefill(
+            m,
+            tokens,
+            cache_of(buf, table, handles, pages, lengths),
+            num_tokens,
+            return_hidden=True,
+        )
+        logits = logits.astype(jnp.float32)
+        return logits, jnp.argmax(logits, -1), hidden, cache.buffer
+
+    def decode(state, buf, table, handles, pages, lengths, tokens):
+        m = nnx.merge(graphdef, state)
+        logits, cache, hidden = steps.prefill(
+            m,
+            tokens[:, None],
+            cache_of(buf, table, handles, pages, lengths),
+            jnp.ones_like(lengths),
+            return_hidden=True,
+        )
+        logits = logits.astype(jnp.float32)
+        return logits, jnp.argmax(logits, -1), hidden, cache.buffer
+
+    def verify(state, buf, table, handles, pages, lengths, tokens, parents, *, snapshot):
+        m = nnx.merge(graphdef, state)
+        logits, tree, hidden = steps.verify_tree(
+            m,
+            tokens,
+            parents,
+            cache_of(buf, table, handles, pages, lengths),
+            return_hidden=True,
+            snapshot=snapshot,
+        )
+        logits = logits.astype(jnp.float32)
+        return logits, jnp.argmax(logits, -1), hidden, tree
+
+    def commit(buf, table, handles, pages, lengths, tree, path, path_len):
+        cache = cache_of(buf, table, handles, pages, lengths)
+        return steps.commit(cache, tree, path, path_len).buffer
+
+    return (
+        jax.jit(prefill, donate_argnums=1),
+        jax.jit(decode, donate_argnums=1),
+        jax.jit(verify, static_argnames="snapshot"),
+        jax.jit(commit, donate_argnums=0),
+    )
+
+
+class ArenaRunner:
+    """Jitted steps of one model whose cache lives only in ``manager``'s arena.
+
+    Rows are addressed by handles: ``handles int32 [B]`` (each row's ``state`` handle, ``-1``
+    for padding) and ``pages int32 [B, MP]`` (its ``kv`` handles in token order, ``-1``
+    unmapped). The manager must use ``layout_for(model config, page_size)`` (checked). The
+    device handle table is re-uploaded only when the manager's layout changed since the last
+    step (``table_uploads`` counts the uploads).
+    """
+
+    def __init__(self, model: HybridLM, manager: MemoryManager):
+        self.kind = "arena"
+        self.model = model
+        self.config = model.config
+        self.manager = manager
+        self.spec = ArenaSpec.from_layout(
+            manager.layout, model.embed_tokens[...].dtype, config=model.config
+        )
+        graphdef, self._state = nnx.split(model)
+        self._prefill, self._decode, self._verify, self._commit = _arena_programs(
+            graphdef, self.spec
+        )
+        self._table = None
+        self.table_uploads = 0
+
+    def compiled(self) -> int:
+        return sum(
+            f._cache_size() for f in (self._prefill, self._decode, self._verify, self._commit)
+        )
+
+    def table(self) -> jax.Array:
+        """The manager's device table (uploaded by the manager only when it changed)."""
+        t = self.manager.device_table()
+        if t is not self._table:
+            self._table = t
+            self.table_uploads += 1
+        return t
+
+    @property
+    def _buf(self) -> jax.Array:
+        return self.manager.arena.buffer
+
+    @_buf.setter
+    def _buf(self, value: jax.Array) -> None:
+        self.manager.arena.buffer = value
+
+    def prefill(self, handles, pages, lengths, tokens, num_tokens):
+        table = self.table()
+        logits, am, hidden, self._buf = self._prefill(
+            self._state, self._buf, table, handles, pages, lengths, tokens, num_tokens
+        )
+        return logits, am, hidden
+
+    def decode(self, handles, pages, lengths, tokens):
+        table = self.table()
+        logits, am, hidden, self._buf = self._decode(
+            self._state, self._buf, table, handles, pages, lengths, tokens
+        )
+        return logits, am, hidden
+
+    def verify(self, handles, pages, lengths, tokens, parents, *, snapshot: bool = False):
+        """``(logits [B, N, V], argmax [B, N], hidden [B, N, H], tree state)``; the arena is
+        only read. The tree state (speculative scratch) is a transient device value outside
+        the arena until :meth:`commit` consumes it."""
+        return self._verify(
+            self._state,
+            self._buf,
+            self.table(),
+            handles,
+            pages,
+            lengths,
+            tokens,
+            parents,
+            snapshot=snapshot,
+        )
+
+    def commit(self, handles, pages, lengths, tree, path, path_len):
+        table = self.table()
+        self._buf = self._commit(self._buf, table, handles, pages, lengths, tree, path, path_len)
 
 
 @functools.cache

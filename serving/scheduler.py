@@ -3,9 +3,10 @@
 Memory comes from the :class:`~serving.memory.MemoryManager`: per request one ``state`` slot,
 its speculative scratch (one ``stash`` unit of ``N`` nodes for tree WY, ``N`` ``snapshot``
 units for the snapshot method) and one ``kv`` page per ``page_size`` tokens, grown before each
-step. The step functions read dense slot and page ids of the engine's own pools; the manager's
-handles are mapped one to one onto them (the manager does the accounting, admission and OOM
-decisions; its arena is not what the step functions read, see README).
+step. With the arena cache (the default) the step functions read and write the target's cache
+through these handles (``Request.state_handle``, ``Request.kv_handles``). Each request also
+keeps a dense slot id and page ids (``slot``, ``pages``) for runners with their own pools (the
+draft model, and the target with ``cache="pools"``).
 
 Preemption is by recompute: the victim (the most recently admitted running request) frees
 everything and goes back to the front of the queue; on readmission it prefills its prompt
@@ -35,6 +36,7 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens in the cache
     slot: int | None = None
+    state_handle: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     kv_handles: list[int] = dataclasses.field(default_factory=list)
     hidden: np.ndarray | None = None  # target's hidden state at the last cached token (MTP)
@@ -112,6 +114,7 @@ class Scheduler:
             self.free_slots.append(req.slot)
         self.free_pages.extend(reversed(req.pages))
         req.slot, req.pages, req.kv_handles, req.computed, req.hidden = None, [], [], 0, None
+        req.state_handle = None
 
     def admit(self, max_running: int, first_chunk: int) -> None:
         """Admit waiting requests in order while a slot, a state, the speculative scratch and
@@ -119,7 +122,7 @@ class Scheduler:
         while self.waiting and len(self.running) < max_running and self.free_slots:
             req = self.waiting[0]
             try:
-                self.manager.alloc(req.rid, "state", 1)
+                (req.state_handle,) = self.manager.alloc(req.rid, "state", 1)
                 if self.spec_kind is not None:
                     self.manager.alloc(req.rid, self.spec_kind, self.spec_units)
             except OutOfMemoryError:

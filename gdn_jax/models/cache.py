@@ -12,6 +12,12 @@ layers likewise):
 
 ``TreeState`` is what ``verify_tree`` hands to ``commit``: per GDN layer a :class:`TreeCache`
 and the pre-conv inputs of the nodes, per attention layer the draft K/V of the nodes.
+
+The step functions touch a cache only through the methods below (``lengths``, ``gdn_state``,
+``with_gdn_state``, ``write_kv``, ``attention``, ``with_lengths``), so another storage with the
+same methods works too: the serving engine's arena-backed cache
+(``serving.memory.model_cache.ArenaCache``) reads and writes the memory manager's arena through
+its handle table instead of these per-layer arrays.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import jax.numpy as jnp
 
 from gdn_jax import TreeCache
 from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.tree_attention import paged_attention, write_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +40,33 @@ class ModelCache:
     v_pages: jax.Array
     page_table: jax.Array
     lengths: jax.Array
+
+    def gdn_state(self, gi: int) -> tuple[jax.Array, jax.Array]:
+        """``(conv [B, W-1, C], ssm [B, Hv, K, V])`` of GDN layer ``gi``."""
+        return self.conv[gi], self.ssm[gi]
+
+    def with_gdn_state(self, gi: int, conv: jax.Array, ssm: jax.Array) -> ModelCache:
+        return dataclasses.replace(
+            self, conv=self.conv.at[gi].set(conv), ssm=self.ssm.at[gi].set(ssm)
+        )
+
+    def write_kv(self, ai, positions, k, v, valid) -> ModelCache:
+        """Attention layer ``ai``'s ``k, v [B, T, Hkv, D]`` written at ``positions [B, T]``
+        where ``valid`` (see :func:`write_pages`)."""
+        kp = write_pages(self.k_pages[ai], self.page_table, positions, k, valid)
+        vp = write_pages(self.v_pages[ai], self.page_table, positions, v, valid)
+        return dataclasses.replace(
+            self, k_pages=self.k_pages.at[ai].set(kp), v_pages=self.v_pages.at[ai].set(vp)
+        )
+
+    def attention(self, ai, q, kv_len, q_pos, **kwargs) -> jax.Array:
+        """:func:`paged_attention` of ``q`` over attention layer ``ai``'s committed KV."""
+        return paged_attention(
+            q, self.k_pages[ai], self.v_pages[ai], self.page_table, kv_len, q_pos, **kwargs
+        )
+
+    def with_lengths(self, lengths: jax.Array) -> ModelCache:
+        return dataclasses.replace(self, lengths=lengths)
 
 
 @dataclasses.dataclass(frozen=True)

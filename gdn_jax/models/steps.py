@@ -11,7 +11,10 @@
   ``tree_conv_commit``, the accepted nodes' K/V written at ``L .. L+m-1``, ``L += m``.
 
 Each takes the model first; jit them with ``nnx.jit`` (or split the model and close over the
-graph). ``verify_tree`` then ``commit`` then ``decode(next)`` equals decoding the accepted
+graph). They touch the cache only through its methods (``lengths``, ``gdn_state``,
+``with_gdn_state``, ``write_kv``, ``attention``, ``with_lengths``): a :class:`ModelCache` of
+per-layer arrays, or any storage with the same methods (the serving engine's arena-backed
+cache). ``verify_tree`` then ``commit`` then ``decode(next)`` equals decoding the accepted
 tokens one by one.
 """
 
@@ -31,7 +34,6 @@ from gdn_jax import (
 from gdn_jax.models.cache import ModelCache, TreeState
 from gdn_jax.models.config import LINEAR
 from gdn_jax.models.model import HybridLM
-from gdn_jax.models.tree_attention import paged_attention, write_pages
 
 
 def _sequence(
@@ -43,34 +45,31 @@ def _sequence(
     recurrent: bool,
 ) -> tuple[jax.Array, ModelCache]:
     """Normed hidden states ``[B, T, H]`` of ``tokens`` appended at ``cache.lengths``."""
-    b, t = tokens.shape
+    t = tokens.shape[1]
     start = cache.lengths
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < num_tokens[:, None]
     kv_len = start + num_tokens
-    conv, ssm, k_pages, v_pages = cache.conv, cache.ssm, cache.k_pages, cache.v_pages
     gi = ai = 0
     x = model.embed(tokens)
     for layer in model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == LINEAR:
+            conv, ssm = cache.gdn_state(gi)
             mixed, c, s = layer.linear_attn(
-                h, conv[gi], ssm[gi], num_tokens=num_tokens, recurrent=recurrent
+                h, conv, ssm, num_tokens=num_tokens, recurrent=recurrent
             )
-            conv, ssm = conv.at[gi].set(c), ssm.at[gi].set(s)
+            cache = cache.with_gdn_state(gi, c, s)
             gi += 1
         else:
             attn = layer.self_attn
             q, k, v, gate = attn.project(h, positions)
-            kp = write_pages(k_pages[ai], cache.page_table, positions, k, valid)
-            vp = write_pages(v_pages[ai], cache.page_table, positions, v, valid)
-            o = paged_attention(q, kp, vp, cache.page_table, kv_len, positions, scale=attn.scale)
-            k_pages, v_pages = k_pages.at[ai].set(kp), v_pages.at[ai].set(vp)
+            cache = cache.write_kv(ai, positions, k, v, valid)
+            o = cache.attention(ai, q, kv_len, positions, scale=attn.scale)
             mixed = attn.finish(o, gate)
             ai += 1
         x = layer.ffn(x + mixed)
-    new = ModelCache(conv, ssm, k_pages, v_pages, cache.page_table, kv_len.astype(jnp.int32))
-    return model.norm(x), new
+    return model.norm(x), cache.with_lengths(kv_len.astype(jnp.int32))
 
 
 def prefill(
@@ -140,20 +139,17 @@ def verify_tree(
     for layer in model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == LINEAR:
-            mixed, tc, qkv = layer.linear_attn.tree(
-                h, parents, cache.conv[gi], cache.ssm[gi], snapshot=snapshot
-            )
+            conv, ssm = cache.gdn_state(gi)
+            mixed, tc, qkv = layer.linear_attn.tree(h, parents, conv, ssm, snapshot=snapshot)
             gdn.append(tc)
             conv_in.append(qkv)
             gi += 1
         else:
             attn = layer.self_attn
             q, k, v, gate = attn.project(h, positions)
-            o = paged_attention(
+            o = cache.attention(
+                ai,
                 q,
-                cache.k_pages[ai],
-                cache.v_pages[ai],
-                cache.page_table,
                 cache.lengths,
                 positions,
                 scale=attn.scale,
@@ -186,29 +182,23 @@ def commit(
     """The cache after accepting ``path[b, :path_len[b]]`` (node ids, root to leaf)."""
     path = jnp.asarray(path, jnp.int32)
     path_len = jnp.asarray(path_len, jnp.int32)
-    b, d = path.shape
-    conv = cache.conv
-    ssm = cache.ssm
+    d = path.shape[1]
     for gi, tc in enumerate(tree.gdn):
+        conv, ssm = cache.gdn_state(gi)
         if isinstance(tc, TreeCache):
-            new_state = tree_commit(cache.ssm[gi], tc, path, path_len)
+            new_state = tree_commit(ssm, tc, path, path_len)
         else:  # per-node snapshots: the accepted leaf's state
-            new_state = snapshot_tree_commit(cache.ssm[gi], tc, path, path_len)
-        ssm = ssm.at[gi].set(new_state)
-        conv = conv.at[gi].set(tree_conv_commit(tree.conv_in[gi], cache.conv[gi], path, path_len))
-    k_pages, v_pages = cache.k_pages, cache.v_pages
-    if k_pages.shape[0]:
+            new_state = snapshot_tree_commit(ssm, tc, path, path_len)
+        new_conv = tree_conv_commit(tree.conv_in[gi], conv, path, path_len)
+        cache = cache.with_gdn_state(gi, new_conv, new_state)
+    num_attn = tree.draft_k.shape[0] if tree.draft_k.ndim > 1 else 0
+    if num_attn:
         n = tree.draft_k.shape[2]
         node = jnp.clip(path, 0, n - 1)[:, :, None, None]
         positions = cache.lengths[:, None] + jnp.arange(d, dtype=jnp.int32)[None, :]
         valid = jnp.arange(d)[None, :] < path_len[:, None]
-        for ai in range(k_pages.shape[0]):
+        for ai in range(num_attn):
             k = jnp.take_along_axis(tree.draft_k[ai], node, axis=1)
             v = jnp.take_along_axis(tree.draft_v[ai], node, axis=1)
-            k_pages = k_pages.at[ai].set(
-                write_pages(k_pages[ai], cache.page_table, positions, k, valid)
-            )
-            v_pages = v_pages.at[ai].set(
-                write_pages(v_pages[ai], cache.page_table, positions, v, valid)
-            )
-    return ModelCache(conv, ssm, k_pages, v_pages, cache.page_table, cache.lengths + path_len)
+            cache = cache.write_kv(ai, positions, k, v, valid)
+    return cache.with_lengths(cache.lengths + path_len)

@@ -60,11 +60,11 @@ def test_preemption_loses_and_duplicates_nothing(spec, target, plain):
     speculative = SpecConfig(**spec) if spec else None
     layout = LLM(target, speculative=speculative, **ENGINE).layout
     n = speculative.num_nodes if speculative else 0
-    # states and snapshots for all four rows, KV pages for about 2.5 requests of 64 tokens
+    # states and snapshots for all four rows, KV pages for 2 to 2.5 requests of 64 tokens
     # (8 pages each), in segments of one state slot: four rows must preempt
     seg = max(layout.unit_bytes(k) for k in ("kv", "state", "snapshot", "stash"))
     fixed = 4 * (1 + n) * seg
-    kv = -(-int(2.5 * 8 * layout.unit_bytes("kv")) // seg) * seg
+    kv = int(2.5 * 8 * layout.unit_bytes("kv")) // seg * seg
     llm = LLM(
         target, memory_budget=fixed + kv, segment_bytes=seg, speculative=speculative, **ENGINE
     )

@@ -1,0 +1,251 @@
+"""What reading GDN states through the memory manager's arena costs a decode step.
+
+A GDN decode-like step over every GDN layer of a model (default: Qwen3.5-35B-A3B, 30 GDN
+layers of Hv 32 x K 128 x V 128 f32 recurrent state plus a bf16 conv state of 3 x 8192 per
+slot): per layer, read the batch's recurrent and conv states, one recurrent gated-delta-rule
+token (``gdn_jax.recurrent_gated_delta_rule``, q/k l2norm) and the conv shift, and write both
+states back; the storage is donated so every write is in place. Three storages:
+
+- ``native``: dense per-layer arrays ``[L, B, Hv, K, V]`` f32 and ``[L, B, W-1, C]`` bf16, rows
+  contiguous (no indirection: the floor of any paged layout);
+- ``pooled``: the same arrays with ``2B`` slots, rows picked by slot id (gather and scatter
+  by slot, the engine's former ``ModelRunner`` pools);
+- ``arena``: the engine's arena path: a real ``MemoryManager`` arena (``uint32``) with each
+  row's ``state`` handle translated through the device table, every layer's state read as a
+  word window and bitcast (``serving.memory.model_cache.ArenaCache.gdn_state`` /
+  ``with_gdn_state``, the code the engine runs).
+
+Reported per batch size: median seconds of the jitted step over ``--reps`` calls (after a
+warm-up), the bytes the step must move (read + write of every state), the rate achieved, the
+floor (bytes / measured copy bandwidth) and each storage's time over ``native``.
+
+    python benchmarks/arena_read.py --json results.json
+    python benchmarks/arena_read.py --num-layers 4 --batch 1,2 --reps 5   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gdn_jax import recurrent_gated_delta_rule  # noqa: E402
+from serving.memory import MemoryManager, layout_for  # noqa: E402
+from serving.memory.model_cache import ArenaCache, ArenaSpec  # noqa: E402
+
+CONFIG = Path(__file__).parent / "configs" / "qwen3_5_35b_a3b.json"
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def median_time(step, storage, inputs, reps: int) -> float:
+    """Median seconds of ``storage, out = step(storage, *inputs)`` (storage donated)."""
+    storage, out = step(storage, *inputs)  # compile + warm up
+    jax.block_until_ready((storage, out))
+    storage, out = step(storage, *inputs)
+    jax.block_until_ready((storage, out))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        storage, out = step(storage, *inputs)
+        jax.block_until_ready((storage, out))
+        ts.append(time.perf_counter() - t0)
+    jax.block_until_ready(storage)
+    del storage
+    return statistics.median(ts)
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> float:
+    """Bytes per second of a jitted ``x + 1`` over ``nbytes`` of f32 (read + write)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1, donate_argnums=0)
+    x = f(x).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x = f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(ts)
+
+
+def gdn_token(ssm, conv, q, k, v, g, beta, x):
+    """One decode token of one GDN layer: ``(output sum, new ssm, new conv)``."""
+    o, new = recurrent_gated_delta_rule(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], ssm, use_qk_l2norm=True
+    )
+    new_conv = jnp.concatenate([conv[:, 1:], x[:, None].astype(conv.dtype)], axis=1)
+    acc = jnp.sum(o, dtype=jnp.float32) + jnp.sum(new_conv[:, -1], dtype=jnp.float32) * 1e-3
+    return acc, new, new_conv
+
+
+def make_inputs(key, layers, b, spec: ArenaSpec, hk: int):
+    hv, kd, vd = spec.state_shape
+    c = spec.conv_shape[1]
+    ks = jax.random.split(key, 6)
+    q = jax.random.normal(ks[0], (layers, b, hk, kd), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (layers, b, hk, kd), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (layers, b, hv, vd), jnp.bfloat16)
+    g = -jax.random.uniform(ks[3], (layers, b, hv), jnp.float32, 0.01, 0.5)
+    beta = jax.random.uniform(ks[4], (layers, b, hv), jnp.float32, 0.1, 0.9)
+    x = jax.random.normal(ks[5], (layers, b, c), jnp.bfloat16)
+    return q, k, v, g, beta, x
+
+
+def build(spec: ArenaSpec, layers: int):
+    """The three jitted steps (storage donated, returned updated) and their initialisers."""
+
+    def layer_inputs(inputs, i):
+        return [a[i] for a in inputs]
+
+    def native(storage, *inputs):
+        ssm, conv = storage
+        acc = jnp.float32(0)
+        for i in range(layers):
+            a, s, c = gdn_token(ssm[i], conv[i], *layer_inputs(inputs, i))
+            ssm, conv, acc = ssm.at[i].set(s), conv.at[i].set(c), acc + a
+        return (ssm, conv), acc
+
+    def pooled(storage, slots, *inputs):
+        ssm, conv = storage
+        acc = jnp.float32(0)
+        for i in range(layers):
+            a, s, c = gdn_token(ssm[i, slots], conv[i, slots], *layer_inputs(inputs, i))
+            ssm, conv, acc = ssm.at[i, slots].set(s), conv.at[i, slots].set(c), acc + a
+        return (ssm, conv), acc
+
+    def arena(buf, *inputs, table, handles):
+        b = handles.shape[0]
+        cache = ArenaCache(
+            buf, table, handles, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), spec
+        )
+        acc = jnp.float32(0)
+        for i in range(layers):
+            conv, ssm = cache.gdn_state(i)
+            a, s, c = gdn_token(ssm, conv, *layer_inputs(inputs, i))
+            cache, acc = cache.with_gdn_state(i, c, s), acc + a
+        return cache.buffer, acc
+
+    return (
+        jax.jit(native, donate_argnums=0),
+        jax.jit(pooled, donate_argnums=0),
+        jax.jit(arena, donate_argnums=0),
+    )
+
+
+def run(args) -> list[dict]:
+    layout = layout_for(str(args.config), args.page_size, num_layers=args.num_layers)
+    hk = layout.k_heads
+    spec = ArenaSpec.from_layout(layout, jnp.bfloat16)
+    lg = spec.gdn_layers
+    hv, kd, vd = spec.state_shape
+    native_j, pooled_j, arena_j = build(spec, lg)
+    slot_bytes = lg * (hv * kd * vd * 4 + int(np.prod(spec.conv_shape)) * 2)
+    bw = copy_bandwidth(min(1 << 30, max(64 << 20, 4 * slot_bytes)), args.reps)
+    rows = []
+    for b in args.batch:
+        key = jax.random.PRNGKey(b)
+        inputs = make_inputs(key, lg, b, spec, hk)
+        ssm0 = 0.05 * jax.random.normal(jax.random.PRNGKey(100 + b), (lg, b, hv, kd, vd))
+        conv0 = jax.random.normal(
+            jax.random.PRNGKey(200 + b), (lg, b, *spec.conv_shape), jnp.bfloat16
+        )
+        times = {}
+        # native: dense [L, B, ...]
+        times["native"] = median_time(native_j, (ssm0 + 0, conv0 + 0), inputs, args.reps)
+        # pooled: 2B slots, the batch at the odd ones
+        slots = jnp.arange(1, 2 * b, 2, dtype=jnp.int32)
+        pool = (
+            jnp.zeros((lg, 2 * b, hv, kd, vd), jnp.float32).at[:, slots].set(ssm0),
+            jnp.zeros((lg, 2 * b, *spec.conv_shape), jnp.bfloat16).at[:, slots].set(conv0),
+        )
+        times["pooled"] = median_time(pooled_j, pool, (slots, *inputs), args.reps)
+        del pool
+        # arena: a manager with room for 2B states; every other slot freed (non-contiguous)
+        mm = MemoryManager(layout, int(2 * b * layout.state_slot_bytes * 1.05) + (1 << 20))
+        handles = [mm.alloc(("req", i), "state")[0] for i in range(2 * b)]
+        for i in range(0, 2 * b, 2):
+            mm.free(("req", i))
+        live = jnp.asarray(handles[1::2], jnp.int32)
+        for i, h in enumerate(handles[1::2]):
+            mm.write("state", h, ssm0[:, i], field="recurrent")
+            mm.write("state", h, conv0[:, i], field="conv")
+        table = mm.device_table()
+        buf, mm.arena.buffer = mm.arena.buffer, None
+        times["arena"] = median_time(
+            functools.partial(arena_j, table=table, handles=live), buf, inputs, args.reps
+        )
+        del buf, mm
+        moved = 2 * b * slot_bytes
+        row = dict(
+            batch=b, gdn_layers=lg, bytes_moved=moved, floor_s=moved / bw, copy_bandwidth_Bps=bw
+        )
+        for name, t in times.items():
+            row[f"{name}_s"] = t
+            row[f"{name}_GBps"] = moved / t / 1e9
+        row["pooled_over_native"] = times["pooled"] / times["native"]
+        row["arena_over_native"] = times["arena"] / times["native"]
+        row["arena_over_pooled"] = times["arena"] / times["pooled"]
+        rows.append(row)
+        print(f"batch {b}: done", file=sys.stderr)
+    return rows
+
+
+def table(rows: list[dict], device: str) -> str:
+    head = (
+        "| batch | GDN layers | state bytes / step | floor ms | native ms | pooled ms "
+        "| arena ms | arena GB/s | pooled / native | arena / native | arena / pooled |"
+    )
+    lines = [f"device: {device}", head, "|" + " --- |" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['gdn_layers']} | {r['bytes_moved'] / 2**20:.0f} MiB "
+            f"| {1e3 * r['floor_s']:.2f} | {1e3 * r['native_s']:.2f} "
+            f"| {1e3 * r['pooled_s']:.2f} | {1e3 * r['arena_s']:.2f} | {r['arena_GBps']:.1f} "
+            f"| {r['pooled_over_native']:.2f} | {r['arena_over_native']:.2f} "
+            f"| {r['arena_over_pooled']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", type=Path, default=CONFIG, help="HF config.json (default: %(default)s)"
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="keep the first N layers of the pattern (default: all)",
+    )
+    p.add_argument("--batch", type=ints, default=[1, 16, 64], help="batch sizes (default: 1,16,64)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=20, help="timed calls per cell (median)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    rows = run(args)
+    device = str(jax.devices()[0].device_kind)
+    print(table(rows, device))
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=device, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""The model's cache stored in the memory manager's arena, read and written through its handles.
+
+:class:`ArenaCache` has the methods :mod:`gdn_jax.models.steps` calls on a cache
+(``lengths``, ``gdn_state``, ``with_gdn_state``, ``write_kv``, ``attention``, ``with_lengths``;
+see :class:`gdn_jax.models.cache.ModelCache`), but holds no cache array of its own: only the
+arena buffer (``uint32 [segments, segment_words]``, donated by the jitted steps so every write
+is in place), the device handle table (``int32 [H, 2]``: handle -> ``(segment, word)``,
+:meth:`MemoryManager.device_table`), each row's ``state`` handle and its page table of ``kv``
+handles. Inside the jitted step every access goes handle -> table -> ``(segment, word)`` ->
+the field's word offset (static, from the manager's layout):
+
+- GDN layer ``gi`` of a row: one window of the row's state unit, ``recurrent[gi]`` (f32,
+  ``Hv*K*V`` words) and ``conv[gi]`` (``(W-1)*C`` elements bitcast from words), read with a
+  windowed gather over the batch rows (what ``vmap`` of :func:`serving.memory.view`'s
+  ``dynamic_slice`` + bitcast lowers to) and written back with a windowed scatter (a
+  ``dynamic_update_slice`` per row) into the arena;
+- attention layer ``ai``: K and V of ``page_size`` tokens are one contiguous window of a
+  ``kv`` unit (the unit is ``[La, 2, S, Hkv, D]``); a new token's K/V is a window of
+  ``Hkv*D`` elements written by scatter; attention reads the row's pages by a windowed gather.
+
+Rows whose state handle is ``-1`` (padding) or whose length is 0 (a fresh request: its unit
+holds whatever was there before) read zero states; writes of padding rows and unmapped pages
+go to segment ``num_segments``, which the scatter drops. KV positions at or past the row's
+length are zeroed before attention (a recycled page can hold any bits, NaN patterns included).
+
+What this path does not do: the XLA attention read is a gather of the row's pages into a
+``[B, pages * S, Hkv, D]`` temporary per layer (as ``gather_pages`` was on the pooled path);
+only a paged-attention kernel that takes the table could read the pages in place. The GDN
+state reads are per-layer windows of the unit (no copy of the whole state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gdn_jax.models.tree_attention import attend
+from serving.memory.layout import WORD_BYTES
+
+_MODE = lax.GatherScatterMode.FILL_OR_DROP
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaSpec:
+    """Static geometry of the arena's units as the model's step functions see them (word
+    offsets inside a unit; every block used below starts and ends on a word boundary)."""
+
+    gdn_layers: int
+    state_shape: tuple[int, ...]  # [Hv, K, V] per layer, f32
+    state_dtype: str
+    state_offset: int  # words of recurrent[0] from the unit start
+    conv_shape: tuple[int, ...]  # [W-1, C] per layer
+    conv_dtype: str
+    conv_offset: int
+    attn_layers: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    kv_offset: int
+    model_dtype: str
+
+    @staticmethod
+    def from_layout(layout, model_dtype, config=None) -> ArenaSpec:
+        """From the manager's (effective) layout; checks it matches the model ``config``
+        (a :class:`gdn_jax.models.ModelConfig`) when given."""
+        state = {f.name: f for f in layout.fields("state")}
+        kv = layout.fields("kv")[0]
+        rec, conv = state["recurrent"], state["conv"]
+        lg, la = rec.shape[0], kv.shape[0]
+        if config is not None:
+            want = {
+                "recurrent": (
+                    len(config.gdn_layers),
+                    config.linear_num_value_heads,
+                    config.linear_key_head_dim,
+                    config.linear_value_head_dim,
+                ),
+                "conv": (
+                    len(config.gdn_layers),
+                    config.linear_conv_kernel_dim - 1,
+                    config.conv_dim,
+                ),
+                "kv": (
+                    len(config.attn_layers),
+                    2,
+                    layout.page_size,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                ),
+            }
+            for f in (rec, conv, kv):
+                if f.shape != want[f.name]:
+                    raise ValueError(
+                        f"memory layout field {f.name!r} has shape {f.shape}, the model needs "
+                        f"{want[f.name]}: build the manager with layout_for(config, page_size)"
+                    )
+        spec = ArenaSpec(
+            gdn_layers=lg,
+            state_shape=rec.shape[1:],
+            state_dtype=str(rec.dtype),
+            state_offset=rec.word_offset,
+            conv_shape=conv.shape[1:],
+            conv_dtype=str(conv.dtype),
+            conv_offset=conv.word_offset,
+            attn_layers=la,
+            page_size=layout.page_size,
+            kv_heads=kv.shape[3],
+            head_dim=kv.shape[4],
+            kv_dtype=str(kv.dtype),
+            kv_offset=kv.word_offset,
+            model_dtype=str(jnp.dtype(model_dtype)),
+        )
+        for name, shape, dtype in (
+            ("recurrent", spec.state_shape, spec.state_dtype),
+            ("conv", spec.conv_shape, spec.conv_dtype),
+            ("kv (one token)", (spec.kv_heads, spec.head_dim), spec.kv_dtype),
+        ):
+            if math.prod(shape) * jnp.dtype(dtype).itemsize % WORD_BYTES:
+                raise ValueError(
+                    f"arena cache: one layer's {name} block {shape} {dtype} is not a whole "
+                    f"number of {WORD_BYTES}-byte words"
+                )
+        return spec
+
+    @property
+    def state_words(self) -> int:
+        return _words(self.state_shape, self.state_dtype)
+
+    @property
+    def conv_words(self) -> int:
+        return _words(self.conv_shape, self.conv_dtype)
+
+    @property
+    def token_words(self) -> int:
+        """Words of one token's K (or V) of one attention layer."""
+        return _words((self.kv_heads, self.head_dim), self.kv_dtype)
+
+
+def _words(shape, dtype) -> int:
+    return math.prod(shape) * jnp.dtype(dtype).itemsize // WORD_BYTES
+
+
+def _to_words(x: jax.Array, rows: int) -> jax.Array:
+    """``x`` (leading axis ``rows``) as ``uint32 [rows, words]``, bit for bit."""
+    ratio = WORD_BYTES // x.dtype.itemsize
+    flat = x.reshape(rows, -1)
+    if ratio > 1:
+        flat = flat.reshape(rows, -1, ratio)
+    return lax.bitcast_convert_type(flat, jnp.uint32)
+
+
+def _from_words(raw: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """``uint32 [..., words]`` reinterpreted as ``[..., *shape]`` of ``dtype``."""
+    out = lax.bitcast_convert_type(raw, jnp.dtype(dtype))  # [..., w] or [..., w, ratio]
+    return out.reshape(*raw.shape[:-1], *shape)
+
+
+def gather_windows(buffer: jax.Array, seg: jax.Array, word: jax.Array, words: int) -> jax.Array:
+    """``buffer[seg[i], word[i] : word[i] + words]`` for every index ``i`` (any batch shape):
+    ``uint32 [..., words]``. An out-of-range ``seg`` (e.g. ``num_segments``) reads zeros."""
+    idx = jnp.stack([seg, word], axis=-1).astype(jnp.int32)
+    dnums = lax.GatherDimensionNumbers(
+        offset_dims=(idx.ndim - 1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+    )
+    return lax.gather(buffer, idx, dnums, slice_sizes=(1, words), mode=_MODE, fill_value=0)
+
+
+def scatter_windows(
+    buffer: jax.Array, seg: jax.Array, word: jax.Array, rows: jax.Array
+) -> jax.Array:
+    """``buffer[seg[i], word[i] : word[i] + w] = rows[i]`` (``rows uint32 [n, w]``, ``seg,
+    word [n]``); out-of-range windows are dropped. In place when ``buffer`` is donated."""
+    idx = jnp.stack([seg, word], axis=-1).astype(jnp.int32)
+    dnums = lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
+    )
+    return lax.scatter(buffer, idx, rows, dnums, mode=_MODE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaCache:
+    """A batch's cache inside the arena (module docstring). ``state_handles int32 [B]``
+    (``-1``: padding row), ``page_handles int32 [B, MP]`` (``-1``: unmapped), ``lengths
+    int32 [B]`` committed tokens. A pytree; ``spec`` is static."""
+
+    buffer: jax.Array
+    table: jax.Array
+    state_handles: jax.Array
+    page_handles: jax.Array
+    lengths: jax.Array
+    spec: ArenaSpec
+
+    @property
+    def _oob(self) -> int:
+        return self.buffer.shape[0]
+
+    def _lookup(self, handles: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(segment, word)`` of ``handles`` through the table; ``segment = num_segments``
+        (out of range: reads zeros, writes dropped) where not ``ok``."""
+        entry = self.table[jnp.maximum(handles, 0)]
+        return jnp.where(ok, entry[..., 0], self._oob), entry[..., 1]
+
+    # --------------------------------------------------------------------------------- GDN
+
+    def gdn_state(self, gi: int) -> tuple[jax.Array, jax.Array]:
+        """``(conv [B, W-1, C] model dtype, ssm [B, Hv, K, V] f32)`` of GDN layer ``gi``."""
+        sp = self.spec
+        h = self.state_handles
+        seg, word = self._lookup(h, (h >= 0) & (self.lengths > 0))
+        ssm = gather_windows(
+            self.buffer, seg, word + sp.state_offset + gi * sp.state_words, sp.state_words
+        )
+        conv = gather_windows(
+            self.buffer, seg, word + sp.conv_offset + gi * sp.conv_words, sp.conv_words
+        )
+        ssm = _from_words(ssm, sp.state_shape, sp.state_dtype).astype(jnp.float32)
+        conv = _from_words(conv, sp.conv_shape, sp.conv_dtype).astype(sp.model_dtype)
+        return conv, ssm
+
+    def with_gdn_state(self, gi: int, conv: jax.Array, ssm: jax.Array) -> ArenaCache:
+        sp = self.spec
+        h = self.state_handles
+        b = h.shape[0]
+        seg, word = self._lookup(h, h >= 0)
+        buf = scatter_windows(
+            self.buffer,
+            seg,
+            word + sp.state_offset + gi * sp.state_words,
+            _to_words(ssm.astype(sp.state_dtype), b),
+        )
+        buf = scatter_windows(
+            buf,
+            seg,
+            word + sp.conv_offset + gi * sp.conv_words,
+            _to_words(conv.astype(sp.conv_dtype), b),
+        )
+        return dataclasses.replace(self, buffer=buf)
+
+    # ---------------------------------------------------------------------------- attention
+
+    def _block(self, ai: int, kv: int) -> int:
+        """Word offset of attention layer ``ai``'s K (``kv=0``) or V (1) inside a page."""
+        sp = self.spec
+        return sp.kv_offset + (2 * ai + kv) * sp.page_size * sp.token_words
+
+    def write_kv(self, ai, positions, k, v, valid) -> ArenaCache:
+        """``k, v [B, T, Hkv, D]`` of attention layer ``ai`` at token ``positions [B, T]``
+        where ``valid`` (positions past the page table or on unmapped pages are dropped)."""
+        sp = self.spec
+        mp = self.page_handles.shape[1]
+        logical = positions // sp.page_size
+        h = jnp.take_along_axis(self.page_handles, jnp.clip(logical, 0, mp - 1), axis=1)
+        seg, word = self._lookup(h, valid & (logical < mp) & (h >= 0))
+        word = word + (positions % sp.page_size) * sp.token_words
+        n = seg.size
+        buf = self.buffer
+        for kv, x in ((0, k), (1, v)):
+            rows = _to_words(x.astype(sp.kv_dtype).reshape(n, -1), n)
+            buf = scatter_windows(
+                buf, seg.reshape(n), (word + self._block(ai, kv)).reshape(n), rows
+            )
+        return dataclasses.replace(self, buffer=buf)
+
+    def committed_kv(self, ai: int, kv_len: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Attention layer ``ai``'s K and V of every row's pages: ``[B, MP * S, Hkv, D]`` (the
+        XLA path's gather), positions ``>= kv_len`` zeroed."""
+        sp = self.spec
+        h = self.page_handles
+        b, mp = h.shape
+        seg, word = self._lookup(h, h >= 0)
+        words = sp.page_size * sp.token_words
+        shape = (sp.page_size, sp.kv_heads, sp.head_dim)
+        out = []
+        for kv in (0, 1):
+            raw = gather_windows(self.buffer, seg, word + self._block(ai, kv), words)
+            x = _from_words(raw, shape, sp.kv_dtype).reshape(
+                b, mp * sp.page_size, sp.kv_heads, sp.head_dim
+            )
+            seen = jnp.arange(mp * sp.page_size)[None, :] < kv_len[:, None]
+            out.append(jnp.where(seen[:, :, None, None], x, jnp.zeros((), x.dtype)))
+        return out[0], out[1]
+
+    def attention(
+        self, ai, q, kv_len, q_pos, *, scale, draft_k=None, draft_v=None, draft_mask=None
+    ) -> jax.Array:
+        """Same as :func:`gdn_jax.models.tree_attention.paged_attention` over the arena."""
+        k, v = self.committed_kv(ai, kv_len)
+        j = jnp.arange(k.shape[1])
+        mask = (j[None, None, :] < kv_len[:, None, None]) & (j[None, None, :] <= q_pos[:, :, None])
+        if draft_k is not None:
+            k = jnp.concatenate([k, draft_k.astype(k.dtype)], axis=1)
+            v = jnp.concatenate([v, draft_v.astype(v.dtype)], axis=1)
+            mask = jnp.concatenate([mask, draft_mask], axis=2)
+        return attend(q, k, v, mask, scale)
+
+    def with_lengths(self, lengths: jax.Array) -> ArenaCache:
+        return dataclasses.replace(self, lengths=lengths)
+
+
+jax.tree_util.register_dataclass(
+    ArenaCache,
+    data_fields=["buffer", "table", "state_handles", "page_handles", "lengths"],
+    meta_fields=["spec"],
+)
