@@ -5,14 +5,14 @@ The kernels apply the q/k l2norm and scale themselves (the same formula as
 :func:`gdn_jax._prep.prepare_qk`), so raw q/k go straight in without an extra pass over HBM. On a
 CPU backend the kernels run in interpret mode, so ``impl="pallas"`` works (slowly) everywhere.
 
-Registered: ``tree_verify`` and ``tree_commit``. ``"auto"`` takes them on GPU for trees of at
-most ``pallas_kernels.GPU_MAX_NODES`` nodes (a larger tile exceeds shared memory) with power-of-2
-head dims, where the H200 measurements show them faster than XLA; bf16 inputs run the verify's
-dots as bf16x3 (3 bf16 MMAs, f32 accumulation: measured 1.2-3.9x faster than XLA, relative error
-1.6e-4 against the f32 XLA path), f32 inputs as tf32x3 (f32-level accuracy). The chunked prefill
-kernel is not registered: on the H200 it builds only for chunks of at most 32 tokens and runs
-about 8x slower than flash-linear-attention (benchmarks/README.md), so ``"auto"`` keeps the XLA
-path; call :func:`pallas_kernels.chunk_gated_delta_rule` directly to use it.
+Registered: ``tree_verify``, ``tree_commit`` and ``chunk_gated_delta_rule`` (the three-kernel
+prefill, :func:`pallas_kernels.chunk_gated_delta_rule_v2`). ``"auto"`` takes them on GPU where
+the H200 measurements show them faster than XLA (benchmarks/README.md): verify/commit for trees
+of at most ``pallas_kernels.GPU_MAX_NODES`` nodes (a larger tile exceeds shared memory) with
+power-of-2 head dims; bf16 inputs run the verify's 3-pass dots as bf16x3, f32 inputs as tf32x3
+(the "refine" kernel: one-pass dots elsewhere, iterative refinement of U; U within 2.5e-7 of
+the XLA path on the H200). The chunked prefill for power-of-2 head dims and chunks of 16-64
+tokens (561 us against XLA's 3.77 ms and fla's 750 us at B 1, T 4096, Hv 32).
 """
 
 from __future__ import annotations
@@ -70,10 +70,30 @@ def tree_commit(initial_state, cache: TreeCache, path, path_len):
     )
 
 
-PALLAS_OPS.update(tree_verify=tree_verify, tree_commit=tree_commit)
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, output_final_state, chunk_size,
+    cu_seqlens,
+):  # fmt: skip
+    """``(o, final state)`` of the chunked prefill (see :func:`gdn_jax.chunk_gated_delta_rule`)."""
+    return pallas_kernels.chunk_gated_delta_rule_v2(
+        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+        interpret=_interpret(),
+    )  # fmt: skip
+
+
+def _fits_chunk_kernel(q, k, v, chunk_size) -> bool:
+    pow2 = lambda x: x >= 16 and x & (x - 1) == 0
+    return pow2(k.shape[3]) and pow2(v.shape[3]) and pow2(chunk_size) and chunk_size <= 64
+
+
+PALLAS_OPS.update(
+    tree_verify=tree_verify, tree_commit=tree_commit, chunk_gated_delta_rule=chunk_gated_delta_rule
+)
 # "auto" takes the kernels where they were measured faster than XLA on the H200
 # (benchmarks/README.md); the commit kernel is slower than XLA at N = 128.
 AUTO_PALLAS.update(
+    chunk_gated_delta_rule=_fits_chunk_kernel,
     tree_verify=_fits_gpu_kernel,
     tree_commit=lambda cache: _fits_gpu_kernel(cache.k, cache.k, cache.u),
 )

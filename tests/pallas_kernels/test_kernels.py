@@ -209,3 +209,19 @@ def test_gpu_limits_raise_before_lowering():
         pk.tree_verify(q, q, v, g, g, par, jnp.zeros((1, 1, 16, 16)))
     with pytest.raises(ValueError, match=r"chunk_size: .*\[16, 32\]"):
         pk.chunk_gated_delta_rule(q, q, v, g, g, chunk_size=64)
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_chunk_route_matches_xla(final):
+    """``impl="pallas"`` of the chunked prefill goes to the three-kernel prefill (interpret)."""
+    q, k, v, g, beta, _ = _inputs(np.zeros((1, 40), np.int32), 1, 2, 16, 16, np.float32, seed=8)
+    cu = jnp.asarray([0, 7, 40], jnp.int32)
+    s0 = jnp.asarray(np.random.default_rng(9).normal(size=(2, 2, 16, 16)), jnp.float32)
+    kw = dict(use_qk_l2norm=True, chunk_size=16, cu_seqlens=cu, output_final_state=final)
+    o, sf = chunk_gated_delta_rule(q, k, v, g, beta, s0, impl="pallas", **kw)
+    ox, sx = chunk_gated_delta_rule(q, k, v, g, beta, s0, impl="xla", **kw)
+    assert rel_err(o, ox) < 2e-5
+    if final:
+        assert rel_err(sf, sx) < 2e-5
+    else:
+        assert sf is None and sx is None
