@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gdn_jax import recurrent_gated_delta_rule  # noqa: E402
-from serving.memory import MemoryManager, layout_for  # noqa: E402
+from serving.memory import MemoryManager, OutOfMemoryError, layout_for  # noqa: E402
 from serving.memory.model_cache import ArenaCache, ArenaSpec  # noqa: E402
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3_5_35b_a3b.json"
@@ -176,8 +176,7 @@ def run(args) -> list[dict]:
         times["pooled"] = median_time(pooled_j, pool, (slots, *inputs), args.reps)
         del pool
         # arena: a manager with room for 2B states; every other slot freed (non-contiguous)
-        mm = MemoryManager(layout, int(2 * b * layout.state_slot_bytes * 1.05) + (1 << 20))
-        handles = [mm.alloc(("req", i), "state")[0] for i in range(2 * b)]
+        mm, handles = arena_with_states(layout, 2 * b)
         for i in range(0, 2 * b, 2):
             mm.free(("req", i))
         live = jnp.asarray(handles[1::2], jnp.int32)
@@ -220,6 +219,18 @@ def table(rows: list[dict], device: str) -> str:
             f"| {r['arena_over_pooled']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def arena_with_states(layout, count: int):
+    """A manager holding ``count`` live state units (budget grown until segment rounding fits)."""
+    budget = int(count * layout.state_slot_bytes * 1.05) + (1 << 20)
+    while True:
+        mm = MemoryManager(layout, budget)
+        try:
+            return mm, [mm.alloc(("req", i), "state")[0] for i in range(count)]
+        except OutOfMemoryError:
+            del mm
+            budget = int(budget * 1.25)
 
 
 def main(argv=None) -> None:
