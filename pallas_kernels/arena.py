@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._wy import F32, dot_precision, next_pow2, pad_axis, prepare_tree_launch
-from pallas_kernels.tree_commit import CommitBlocks
+from pallas_kernels.tree_commit import DEFAULT_COMMIT_BLOCKS, CommitBlocks
 from pallas_kernels.tree_commit import _kernel as _commit_kernel
 from pallas_kernels.tree_verify import (
     DEFAULT_VERIFY_BLOCKS,
@@ -143,7 +143,7 @@ def tree_verify(
 
 def tree_commit(
     arena, table, handles, k, u, g_path, path, path_len, *, state_offset: int,
-    use_qk_l2norm: bool = False, blocks: CommitBlocks = CommitBlocks(),
+    use_qk_l2norm: bool = False, blocks: CommitBlocks = DEFAULT_COMMIT_BLOCKS,
     interpret: bool = False,
 ):  # fmt: skip
     """:func:`pallas_kernels.tree_commit` on the states in the arena, written in place: the

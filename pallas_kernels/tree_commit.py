@@ -44,6 +44,9 @@ class CommitBlocks(DotBlocks):
     gather: bool = True
 
 
+DEFAULT_COMMIT_BLOCKS = CommitBlocks()
+
+
 def _kernel(
     s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref, *, use_l2norm, precision, interpret, gather
 ):  # fmt: skip
@@ -95,7 +98,7 @@ def tree_commit(
     path_len: jax.Array,
     *,
     use_qk_l2norm: bool = False,
-    blocks: CommitBlocks = CommitBlocks(),
+    blocks: CommitBlocks = DEFAULT_COMMIT_BLOCKS,
     interpret: bool = False,
 ) -> jax.Array:
     """New state f32 ``[B, Hv, K, V]`` after ``path[b, :path_len[b]]`` (root to leaf).
