@@ -474,7 +474,7 @@ def main(argv=None):
     )  # fmt: skip
     p.add_argument(
         "--gpu-max-nodes", type=int, default=0,
-        help="try the verify kernel on GPU up to this many nodes (default: the kernel's limit)",
+        help="let the x3-mode verify kernel try N up to this many nodes on GPU (its limit: 64)",
     )  # fmt: skip
     p.add_argument("--watchdog", type=float, default=0, help="dump stacks every this many s")
     args = p.parse_args(argv)
@@ -489,7 +489,7 @@ def main(argv=None):
 
     if args.gpu_max_nodes:
         # (the package's ``tree_verify`` attribute is the function, so go through sys.modules)
-        sys.modules["pallas_kernels.tree_verify"].GPU_MAX_NODES = args.gpu_max_nodes
+        sys.modules["pallas_kernels.tree_verify"].GPU_MAX_NODES_X3 = args.gpu_max_nodes
     dev = jax.devices()[0]
     log("measuring bandwidth and matmul rate")
     if args.dry_run:

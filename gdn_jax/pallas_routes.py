@@ -8,8 +8,8 @@ CPU backend the kernels run in interpret mode, so ``impl="pallas"`` works (slowl
 Registered: ``tree_verify``, ``tree_commit`` and ``chunk_gated_delta_rule`` (the three-kernel
 prefill, :func:`pallas_kernels.chunk_gated_delta_rule_v2`). ``"auto"`` takes them on GPU where
 the H200 measurements show them faster than XLA (benchmarks/README.md): verify/commit for trees
-of at most ``pallas_kernels.GPU_MAX_NODES`` nodes (a larger tile exceeds shared memory) with
-power-of-2 head dims; bf16 inputs run the verify's 3-pass dots as bf16x3, f32 inputs as tf32x3
+of at most :data:`AUTO_MAX_NODES` = 64 nodes (at N = 128 the verify kernel runs, but no faster
+than XLA) with power-of-2 head dims; bf16 inputs run the verify's 3-pass dots as bf16x3, f32 inputs as tf32x3
 (the "refine" kernel: one-pass dots elsewhere, iterative refinement of U; U within 2.5e-7 of
 the XLA path on the H200). The chunked prefill for power-of-2 head dims and chunks of 16-64
 tokens (561 us against XLA's 3.77 ms and fla's 750 us at B 1, T 4096, Hv 32).
@@ -24,6 +24,8 @@ import pallas_kernels
 from gdn_jax.dispatch import AUTO_PALLAS, PALLAS_OPS
 from gdn_jax.tree_wy import TreeCache
 
+AUTO_MAX_NODES = 64
+
 
 def _interpret() -> bool:
     return jax.default_backend() == "cpu"
@@ -32,7 +34,7 @@ def _interpret() -> bool:
 def _fits_gpu_kernel(q, k, v) -> bool:
     n, dk, dv = k.shape[1], k.shape[3], v.shape[3]
     pow2 = lambda x: x >= 16 and x & (x - 1) == 0
-    return n <= pallas_kernels.GPU_MAX_NODES and pow2(dk) and pow2(dv)
+    return n <= AUTO_MAX_NODES and pow2(dk) and pow2(dv)
 
 
 def tree_verify(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2norm):

@@ -8,11 +8,18 @@ takes refs, and a thin wrapper that builds the grid and takes ``interpret=`` so 
 from pallas_kernels.chunk import GPU_MAX_CHUNK, ChunkBlocks, chunk_gated_delta_rule
 from pallas_kernels.snapshot_verify import SnapshotBlocks, snapshot_verify
 from pallas_kernels.tree_commit import CommitBlocks, tree_commit
-from pallas_kernels.tree_verify import GPU_MAX_NODES, MAX_NODES, VerifyBlocks, tree_verify
+from pallas_kernels.tree_verify import (
+    GPU_MAX_NODES,
+    GPU_MAX_NODES_X3,
+    MAX_NODES,
+    VerifyBlocks,
+    tree_verify,
+)
 
 __all__ = [
     "GPU_MAX_CHUNK",
     "GPU_MAX_NODES",
+    "GPU_MAX_NODES_X3",
     "MAX_NODES",
     "ChunkBlocks",
     "CommitBlocks",

@@ -28,7 +28,6 @@ from pallas_kernels.tree_commit import DEFAULT_COMMIT_BLOCKS, CommitBlocks
 from pallas_kernels.tree_commit import _kernel as _commit_kernel
 from pallas_kernels.tree_verify import (
     DEFAULT_VERIFY_BLOCKS,
-    GPU_MAX_NODES,
     MAX_NODES,
     VerifyBlocks,
     _refine_kernel,
@@ -98,8 +97,8 @@ def tree_verify(
     hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
     if blocks.mode != "refine" or blocks.ancestors_input:
         raise ValueError("blocks: the arena verify runs the 'refine' kernel on parent ids")
-    if n > MAX_NODES or (not interpret and n > GPU_MAX_NODES):
-        raise ValueError(f"N: at most {GPU_MAX_NODES} nodes on GPU, got {n}")
+    if n > MAX_NODES:
+        raise ValueError(f"N: the arena verify supports at most {MAX_NODES} nodes, got {n}")
     _check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
     q, k, v, g, beta, parents = t[:6]

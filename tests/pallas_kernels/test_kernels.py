@@ -205,8 +205,9 @@ def test_gpu_limits_raise_before_lowering():
     v = jnp.zeros((1, 65, 1, 16))
     g = jnp.zeros((1, 65, 1))
     par = jnp.arange(65, dtype=jnp.int32)[None] - 1
-    with pytest.raises(ValueError, match="at most 64 nodes"):
-        pk.tree_verify(q, q, v, g, g, par, jnp.zeros((1, 1, 16, 16)))
+    with pytest.raises(ValueError, match="x3-mode .* at most 64 nodes"):
+        pk.tree_verify(q, q, v, g, g, par, jnp.zeros((1, 1, 16, 16)),
+                       blocks=pk.VerifyBlocks(mode="x3"))  # fmt: skip
     with pytest.raises(ValueError, match=r"chunk_size: .*\[16, 32\]"):
         pk.chunk_gated_delta_rule(q, q, v, g, g, chunk_size=64)
 
