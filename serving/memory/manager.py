@@ -1,20 +1,29 @@
 """The memory manager: virtual handles over one device arena (DESIGN.md section 6).
 
-Requests hold stable integer handles. A handle maps to a physical ``(segment, word)`` through
-a translation table kept on the host (authoritative, updated per allocation) and mirrored to
-the device on demand (:meth:`MemoryManager.device_table`) for kernels to read through.
+Requests hold stable integer handles. A handle maps to a physical ``(segment, word)``; the host
+bookkeeping is authoritative and the ``[H, 2]`` translation table is derived from it (host
+numpy copy ``_table``, device copy :meth:`MemoryManager.device_table`) for kernels to read
+through.
 
 Allocation path (host only, no device work): take free units of the kind's pool; if there are
 too few, ask the policy for a plan of whole segments to acquire, move the live units out of
-those segments on device (one jitted, donated copy per victim pool), update the table, and
-reassign the segments. Migration therefore happens only when an allocation would fail, and the
-same sequence of calls always produces the same layout (no clocks, no hashing of ids: heaps
-and sorted scans order every choice).
+those segments on device (one jitted, donated copy per victim pool), update the handles, and
+reassign the segments. Re-assigning a wholly free segment is host bookkeeping only: no device
+call at all. Migration therefore happens only when an allocation would fail, and the same
+sequence of calls always produces the same layout (no clocks, no hashing of ids: heaps and
+ordered scans make every choice).
+
+Host cost: the allocation path does no numpy or jax work. Per handle it keeps a slot
+(``segment * max_units + unit``) and an owner ``(request, kind)`` in Python lists; free units
+are per-segment stacks and free handles one stack, taken and returned by slices; a pool finds
+its next segment in a heap. The translation table is brought up to date in one batch, from the
+handles changed since the last time, only when it is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+import heapq
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -36,7 +45,11 @@ from serving.memory.policies import Policy, make_policy
 from serving.memory.pools import Pool
 
 DEFAULT_SEGMENT_BYTES = 2 << 20
-MIN_AUTO_SEGMENTS = 16  # small budgets get smaller segments, so pools can still trade
+# Small budgets get smaller segments, so pools can still trade: a pool wastes at most one
+# partly filled segment, i.e. about 1/MIN_AUTO_SEGMENTS of the arena (never below one unit).
+MIN_AUTO_SEGMENTS = 32
+GOOD_SHARE = 0.9  # a default segment lets every pool use at least this share of the budget
+_INTS = (int, np.integer)  # a tuple: ``int | np.integer`` would build a union on every call
 
 
 def _budget_from_fraction(fraction: float, device: jax.Device) -> int:
@@ -51,17 +64,19 @@ def _budget_from_fraction(fraction: float, device: jax.Device) -> int:
 def _default_segment_words(units: list[int], budget_words: int) -> int:
     """Segment size (words) for pools of unit sizes ``units`` in an arena of ``budget_words``.
 
-    Aim: about ``min(2 MiB, budget / 16)`` per segment, never less than the largest unit. A
+    Aim: about ``min(2 MiB, budget / MIN_AUTO_SEGMENTS)`` per segment, never less than the
+    largest unit: ``lo``, the smallest multiple of the largest unit at or above the aim. A
     segment that is a multiple of the largest unit only can leave most of a smaller unit's
     segment unused (e.g. one 28 KB stash in a 54 KB segment), so every multiple of any unit
-    size from the aim up to twice it is a candidate, and the one whose worst pool could use
-    the largest share of the whole budget wins (ties: the smaller segment). The choice
-    depends only on the sizes, so it is deterministic.
+    size from ``lo`` up to ``2 lo`` is a candidate. The share of the budget the worst pool
+    could use (segment tails and the budget's remainder lost) decides: the smallest candidate
+    reaching GOOD_SHARE wins (small segments keep pools trading finely), else the one with the
+    largest share (ties: the smaller). The choice depends only on the sizes: deterministic.
     """
     biggest = max(units)
     target = min(DEFAULT_SEGMENT_BYTES, budget_words * WORD_BYTES // MIN_AUTO_SEGMENTS)
-    lo = biggest * max(1, -(-target // (biggest * WORD_BYTES)))  # the former default
-    hi = max(lo, min(2 * target // WORD_BYTES, budget_words))
+    lo = biggest * max(1, -(-target // (biggest * WORD_BYTES)))
+    hi = max(lo, min(2 * lo, budget_words))
     candidates = {lo}
     for u in set(units):
         candidates.update(range(-(-lo // u) * u, hi + 1, u))
@@ -70,7 +85,106 @@ def _default_segment_words(units: list[int], budget_words: int) -> int:
         n = budget_words // seg
         return min(n * (seg // u) * u for u in units) / budget_words
 
-    return max(sorted(candidates), key=worst_share)
+    ordered = sorted(candidates)
+    for seg in ordered:
+        if worst_share(seg) >= GOOD_SHARE:
+            return seg
+    return max(ordered, key=worst_share)
+
+
+class _ShadowPool:
+    """What a policy reads of a :class:`Pool`, copied so a dry run can change it."""
+
+    def __init__(self, p: Pool, shadow: _Shadow):
+        self.index, self.name, self.group = p.index, p.name, p.group
+        self.unit_words, self.units_per_segment = p.unit_words, p.units_per_segment
+        self.owned, self.empty = set(p.owned), set(p.empty)
+        self.live, self.free_units = p.live, p.free_units
+        self._shadow = shadow
+
+    def fill_order(self, segs) -> list[int]:
+        rank, n = self._shadow.seg_rank, self._shadow.num_segments
+        return sorted(segs, key=lambda s: rank[s] * n + s)
+
+    def min_segments(self) -> int:
+        return -(-self.live // self.units_per_segment)
+
+
+def _heap_top(heap: list[int], seg_key: list[int], nseg: int) -> int:
+    """The segment at the top of a pool's fill heap, dropping stale entries (a key no longer
+    equal to its segment's current key)."""
+    key = heap[0]
+    seg = key % nseg
+    while seg_key[seg] != key:
+        heapq.heappop(heap)
+        key = heap[0]
+        seg = key % nseg
+    return seg
+
+
+class _Shadow:
+    """Host bookkeeping copied for :meth:`MemoryManager.fits_all`: replays allocations exactly
+    as the manager would (same plans, same evacuation targets, same unit placement) without
+    touching the manager or the device."""
+
+    def __init__(self, mm: MemoryManager):
+        self.policy = mm.policy
+        self.num_segments = mm.num_segments
+        self.seg_owner = list(mm.seg_owner)
+        self.seg_live = list(mm.seg_live)
+        self.seg_rank = list(mm.seg_rank)
+        self.next_rank = mm._next_rank
+        self.seg_group = mm.seg_group
+        self.unowned = [list(u) for u in mm.unowned]
+        self.pools = [_ShadowPool(p, self) for p in mm.pools]
+
+    def alloc(self, pool: _ShadowPool, n: int) -> bool:
+        live, ups = self.seg_live, pool.units_per_segment
+
+        def place(p, segs, count):
+            """Fill ``count`` units into ``segs`` of pool ``p`` in its fill order."""
+            for dest in p.fill_order(segs):
+                if not count:
+                    break
+                k = min(count, p.units_per_segment - live[dest])
+                if k > 0:
+                    if live[dest] == 0:
+                        p.empty.discard(dest)
+                    live[dest] += k
+                    count -= k
+
+        if pool.free_units < n:
+            need = -(-(n - pool.free_units) // ups)
+            plan = self.policy.plan(self, pool, need)
+            if plan is None:
+                return False
+            taking = set(plan)
+            for victim in self.pools:
+                moving = [s for s in plan if self.seg_owner[s] == victim.index and live[s]]
+                if victim is pool or not moving:
+                    continue
+                place(victim, victim.owned - taking, sum(live[s] for s in moving))
+                for s in moving:
+                    live[s] = 0
+            for s in plan:
+                old = self.seg_owner[s]
+                if old == -1:
+                    self.unowned[self.seg_group[s]].remove(s)
+                else:
+                    victim = self.pools[old]
+                    victim.owned.discard(s)
+                    victim.empty.discard(s)
+                    victim.free_units -= victim.units_per_segment
+                self.seg_owner[s] = pool.index
+                self.seg_rank[s] = self.next_rank
+                self.next_rank += 1
+                pool.owned.add(s)
+                pool.empty.add(s)
+                pool.free_units += ups
+        place(pool, pool.owned, n)
+        pool.live += n
+        pool.free_units -= n
+        return True
 
 
 class MemoryManager:
@@ -82,7 +196,7 @@ class MemoryManager:
         The arena is the largest whole number of segments that fits; the rest is unused
         (``stats()["unused_budget_bytes"]``).
       policy: ``"avmp"`` | ``"unified_padded"`` | ``"static_dual"`` | ``"multi_ended"``.
-      segment_bytes: segment size. Default: about min(2 MiB, budget / 16), at least the
+      segment_bytes: segment size. Default: about min(2 MiB, budget / 32), at least the
         largest unit, chosen among multiples of the unit sizes so that no pool loses much of
         a segment to its tail (:func:`_default_segment_words`).
       device: where the arena lives (default: first device).
@@ -108,6 +222,7 @@ class MemoryManager:
         self._pool_of_kind = self.policy.pool_of_kind()
         self._fields = {k: {f.name: f for f in self.layout.fields(k)} for k in KINDS}
         self._default_field = {k: self.layout.fields(k)[0] for k in KINDS}
+        self._unit_words = {k: self.layout.unit_words(k) for k in KINDS}
 
         names = list(dict.fromkeys(self._pool_of_kind.values()))
         unit_words = {n: max(self.layout.unit_words(k) for k in KINDS
@@ -128,34 +243,45 @@ class MemoryManager:
                 f"budget_bytes={self.budget_bytes} is smaller than one segment "
                 f"({seg_words * WORD_BYTES} bytes)")
         pool_groups, seg_groups = self.policy.pool_groups(names, num_segments)
-        self.pools = [Pool(i, n, unit_words[n], seg_words // unit_words[n], pool_groups[i])
+        # Per segment: owning pool (-1: unowned), live units, rank (acquisition order, see
+        # pools.py), and a stack of its free slots (slot = segment * max_units + unit; the
+        # next one taken is the last).
+        self.seg_owner = [-1] * num_segments
+        self.seg_live = [0] * num_segments
+        self.seg_rank = [0] * num_segments
+        self._seg_key = [-1] * num_segments  # valid heap key of the segment (pools.py)
+        self._next_rank = 0
+        self.pools = [Pool(i, n, unit_words[n], seg_words // unit_words[n], pool_groups[i],
+                           self.seg_rank)
                       for i, n in enumerate(names)]
         self._pool_by_name = {p.name: p for p in self.pools}
+        self._kind_pool = {k: self._pool_by_name[self._pool_of_kind[k]] for k in KINDS}
+        self._kind_id = {k: i for i, k in enumerate(KINDS)}
         self.num_segments = num_segments
         self.arena = Arena(num_segments, seg_words, device=device)
 
-        # Per segment: owning pool (-1: unowned), free unit indices, handle per unit, live units.
-        self.seg_owner = [-1] * num_segments
+        self._max_units = max_units = max(p.units_per_segment for p in self.pools)
         self.seg_free: list[list[int]] = [[] for _ in range(num_segments)]
-        self.seg_units: list[list[int]] = [[] for _ in range(num_segments)]
-        self.seg_live = [0] * num_segments
         self.seg_group = seg_groups
         self.unowned = [[s for s in range(num_segments) if seg_groups[s] == g]
                         for g in range(max(seg_groups) + 1)]
         self._group_size = [len(u) for u in self.unowned]
 
-        # Per handle: segment, unit index, kind (None: free), request.
-        self._capacity = num_segments * max(p.units_per_segment for p in self.pools)
-        self._table = np.full((self._capacity, 2), -1, np.int32)
+        # Per handle: slot (-1: freed, -2: never issued) and owner ``(request, kind id)`` (None:
+        # not live). Free handles form a stack; never-used ones come out lowest first. A
+        # request's handles are a list in allocation order. The numpy table follows lazily:
+        # ``_dirty`` lists the handles changed since it was last brought up to date (``None``:
+        # too many, rebuild it whole).
+        self._capacity = num_segments * max_units
+        self._table_np = np.full((self._capacity, 2), -1, np.int32)
+        self._dirty: list[int] | None = []
         self._device_table: jax.Array | None = None
-        self._h_seg: list[int] = []
-        self._h_unit: list[int] = []
-        self._h_kind: list[str | None] = []
-        self._h_req: list[Hashable] = []
-        self._free_handles: list[int] = []
-        self._requests: dict[Hashable, dict[int, None]] = {}
+        self._h_slot = [-2] * self._capacity
+        self._h_owner: list[tuple[Hashable, int] | None] = [None] * self._capacity
+        self._free_handles = list(range(self._capacity - 1, -1, -1))
+        self._requests: dict[Hashable, list[int]] = {}
         self._retired: set[Hashable] = set()
-        self._live_by_kind = dict.fromkeys(KINDS, 0)
+        self._live_count = [0] * len(KINDS)  # live units per kind id
         self.migrations = 0
         self.migrated_bytes = 0
         self.compactions = 0
@@ -164,7 +290,7 @@ class MemoryManager:
 
     def _pool_for(self, kind: str) -> Pool:
         try:
-            return self._pool_by_name[self._pool_of_kind[kind]]
+            return self._kind_pool[kind]
         except (KeyError, TypeError):
             raise UnknownKindError(f"kind must be one of {KINDS}, got {kind!r}") from None
 
@@ -176,7 +302,7 @@ class MemoryManager:
     def fits(self, kind: str, n: int = 1) -> bool:
         """Whether ``alloc(_, kind, n)`` would succeed now (a dry run: nothing changes)."""
         pool = self._pool_for(kind)
-        if not isinstance(n, int | np.integer) or isinstance(n, bool) or n < 1:
+        if not isinstance(n, _INTS) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         if pool.free_units >= n:
             return True
@@ -184,6 +310,29 @@ class MemoryManager:
             return False
         need = -(-(n - pool.free_units) // pool.units_per_segment)
         return self.policy.plan(self, pool, need) is not None
+
+    def fits_all(self, needs: Mapping[str, int] | Iterable[tuple[str, int]]) -> bool:
+        """Whether allocating every ``(kind, n)`` of ``needs``, in order, would succeed now.
+
+        A dry run of the whole sequence (nothing changes): unlike separate :meth:`fits` calls,
+        it never counts one free segment for two kinds. ``n == 0`` entries are skipped.
+        """
+        items = list(needs.items() if isinstance(needs, Mapping) else needs)
+        total: dict[int, int] = {}
+        for kind, n in items:
+            pool = self._pool_for(kind)
+            if not isinstance(n, _INTS) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"n must be a non-negative int, got {n!r} for kind {kind!r}")
+            total[pool.index] = total.get(pool.index, 0) + int(n)
+        if all(self.pools[i].free_units >= n for i, n in total.items()):
+            return True  # no pool needs a segment: nothing can collide
+        for i, n in total.items():
+            pool = self.pools[i]
+            if n > self._group_size[pool.group] * pool.units_per_segment:
+                return False
+        shadow = _Shadow(self)
+        return all(shadow.alloc(shadow.pools[self._pool_for(k).index], int(n))
+                   for k, n in items if n)
 
     def alloc(self, request_id: Hashable, kind: str, n: int = 1) -> list[int]:
         """Allocate ``n`` units of ``kind`` for ``request_id``; return their handles.
@@ -193,8 +342,15 @@ class MemoryManager:
           AllocationTooLargeError: they could not fit even in an empty arena.
           UnknownKindError / ValueError: bad ``kind`` or ``n``.
         """
-        pool = self._pool_for(kind)
-        if not isinstance(n, int | np.integer) or isinstance(n, bool) or n < 1:
+        try:
+            pool = self._kind_pool[kind]
+        except (KeyError, TypeError):
+            raise UnknownKindError(f"kind must be one of {KINDS}, got {kind!r}") from None
+        if type(n) is not int:
+            if not isinstance(n, _INTS) or isinstance(n, bool):
+                raise ValueError(f"n must be a positive int, got {n!r}")
+            n = int(n)
+        if n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         if pool.free_units < n:
             if n > self.capacity(kind):
@@ -208,124 +364,167 @@ class MemoryManager:
                     f"cannot allocate n={n} units of kind {kind!r} for request {request_id!r}: "
                     f"{pool.free_units} free in its pool and no {need} segment(s) to migrate")
             self._acquire(pool, plan)
-        try:
-            held = self._requests[request_id]
-        except KeyError:
-            held = self._requests[request_id] = {}
+        kind_id = self._kind_id[kind]
+        out = self._take_units(pool, (request_id, kind_id), n)
+        held = self._requests.get(request_id)
+        if held is None:
+            self._requests[request_id] = out.copy()
             self._retired.discard(request_id)
-        out = self._take_units(pool, kind, request_id, n)
-        held.update(dict.fromkeys(out))
-        self._live_by_kind[kind] += n
+        else:
+            held += out
+        self._live_count[kind_id] += n
         self._device_table = None
         return out
 
-    def _take_units(self, pool: Pool, kind: str, request_id: Hashable, n: int) -> list[int]:
-        """Take ``n`` free units of ``pool`` (the caller made sure they exist), lowest
-        segment first, a whole segment's worth at a time."""
-        out: list[int] = []
-        h_seg, h_unit, h_kind, h_req = self._h_seg, self._h_unit, self._h_kind, self._h_req
-        free_handles, table, w = self._free_handles, self._table, pool.unit_words
-        while len(out) < n:
-            seg = pool.segment_with_free(self.seg_owner, self.seg_free)
-            free, units = self.seg_free[seg], self.seg_units[seg]
-            k = min(n - len(out), len(free))
-            if self.seg_live[seg] == 0:
+    def _take_units(self, pool: Pool, owner: tuple[Hashable, int], n: int) -> list[int]:
+        """Take ``n`` free units of ``pool`` (the caller made sure they exist), oldest
+        segment first, a whole segment's worth at a time (slices of the free stacks)."""
+        free_handles, seg_live, seg_free = self._free_handles, self.seg_live, self.seg_free
+        seg_key, heap, nseg = self._seg_key, pool.heap, self.num_segments
+        ups, h_slot = pool.units_per_segment, self._h_slot
+        out = free_handles[-n:]
+        del free_handles[-n:]
+        out.reverse()  # never-used handles come out lowest first
+        if n == 1:
+            seg = _heap_top(heap, seg_key, nseg)
+            live = seg_live[seg]
+            if live == 0:
                 pool.empty.discard(seg)
-            self.seg_live[seg] += k
-            for _ in range(k):
-                unit = free.pop()
-                if free_handles:
-                    h = free_handles.pop()
-                    h_seg[h], h_unit[h], h_kind[h], h_req[h] = seg, unit, kind, request_id
+            seg_live[seg] = live + 1
+            if live + 1 == ups:
+                heapq.heappop(heap)
+                seg_key[seg] = -1
+            h = out[0]
+            h_slot[h] = seg_free[seg].pop()
+            self._h_owner[h] = owner
+        else:
+            slots: list[int] = []
+            left = n
+            while left:
+                seg = _heap_top(heap, seg_key, nseg)
+                live = seg_live[seg]
+                if live == 0:
+                    pool.empty.discard(seg)
+                free = seg_free[seg]
+                if left >= ups - live:  # the rest of the segment
+                    heapq.heappop(heap)
+                    seg_key[seg] = -1
+                    seg_live[seg] = ups
+                    left -= ups - live
+                    free.reverse()  # top of the stack first
+                    slots += free
+                    seg_free[seg] = []
                 else:
-                    h = len(h_seg)
-                    h_seg.append(seg)
-                    h_unit.append(unit)
-                    h_kind.append(kind)
-                    h_req.append(request_id)
-                units[unit] = h
-                out.append(h)
-            if k == 1:
-                table[h, 0], table[h, 1] = seg, unit * w
-            else:
-                chunk = out[len(out) - k:]
-                table[chunk, 0] = seg
-                table[chunk, 1] = [h_unit[c] * w for c in chunk]
-            pool.pop_if_full(seg, self.seg_free)
+                    seg_live[seg] = live + left
+                    slots += free[:-left - 1:-1]  # the top ``left``, top first
+                    del free[-left:]
+                    left = 0
+            h_owner = self._h_owner
+            for h, slot in zip(out, slots, strict=True):
+                h_slot[h] = slot
+                h_owner[h] = owner
+        dirty = self._dirty
+        if dirty is not None:
+            dirty += out
+            if len(dirty) > 2 * self._capacity:
+                self._dirty = None
         pool.live += n
         pool.free_units -= n
         return out
 
-    def _release(self, h: int) -> None:
-        seg, unit = self._h_seg[h], self._h_unit[h]
-        pool = self.pools[self.seg_owner[seg]]
-        free = self.seg_free[seg]
-        free.append(unit)
-        if len(free) == 1:
-            pool.push(seg)
-        self.seg_units[seg][unit] = -1
-        self.seg_live[seg] -= 1
-        if self.seg_live[seg] == 0:
-            pool.empty.add(seg)
-        pool.live -= 1
-        pool.free_units += 1
-        self._live_by_kind[self._h_kind[h]] -= 1
-        self._h_kind[h] = None
-        self._h_req[h] = None
-        self._table[h] = -1
-        self._free_handles.append(h)
+    def _release(self, victims: list[int]) -> None:
+        """Return the units of live handles ``victims`` to their segments' free stacks, the
+        handles to the free stack (the last one freed is the next one given out)."""
+        h_slot, h_owner, live_count = self._h_slot, self._h_owner, self._live_count
+        seg_live, seg_free, seg_owner, pools = self.seg_live, self.seg_free, self.seg_owner, self.pools
+        seg_key, stride = self._seg_key, self._max_units
+        for h in victims:
+            slot = h_slot[h]
+            h_slot[h] = -1
+            live_count[h_owner[h][1]] -= 1
+            h_owner[h] = None
+            seg = slot // stride
+            pool = pools[seg_owner[seg]]
+            free = seg_free[seg]
+            if not free:
+                pool.push(seg, seg_key)
+            free.append(slot)
+            live = seg_live[seg] - 1
+            seg_live[seg] = live
+            if live == 0:
+                pool.empty.add(seg)
+            pool.live -= 1
+            pool.free_units += 1
+        self._free_handles += reversed(victims)
+        dirty = self._dirty
+        if dirty is not None:
+            dirty += victims
+            if len(dirty) > 2 * self._capacity:
+                self._dirty = None
 
     def _acquire(self, pool: Pool, segs: list[int]) -> None:
-        """Execute a plan: evacuate each victim pool's chosen segments, then reassign them."""
-        taking = set(segs)
-        for victim in self.pools:
-            if victim is pool:
-                continue
-            moving = [s for s in segs if self.seg_owner[s] == victim.index and self.seg_live[s]]
-            if moving:
-                self._evacuate(victim, moving, taking)
+        """Execute a plan: evacuate each victim pool's chosen segments, then reassign them.
+        A segment with no live unit moves no data: reassigning it is host bookkeeping only."""
+        seg_owner, seg_live = self.seg_owner, self.seg_live
+        busy = [s for s in segs if seg_live[s]]
+        if busy:
+            taking = set(segs)
+            for victim in self.pools:
+                moving = [s for s in busy if seg_owner[s] == victim.index]
+                if moving and victim is not pool:
+                    self._evacuate(victim, moving, taking)
+        by_owner: dict[int, list[int]] = {}
         for s in segs:
-            old = self.seg_owner[s]
+            by_owner.setdefault(seg_owner[s], []).append(s)
+        for old, mine in by_owner.items():
             if old == -1:
-                self.unowned[self.seg_group[s]].remove(s)
+                for s in mine:
+                    self.unowned[self.seg_group[s]].remove(s)
             else:
                 victim = self.pools[old]
-                victim.owned.discard(s)
-                victim.empty.discard(s)
-                victim.free_units -= victim.units_per_segment
-                self.migrations += 1
-            u = pool.units_per_segment
-            self.seg_owner[s] = pool.index
-            self.seg_free[s] = list(range(u - 1, -1, -1))
-            self.seg_units[s] = [-1] * u
-            pool.owned.add(s)
-            pool.empty.add(s)
-            pool.free_units += u
-            pool.push(s)
+                victim.owned.difference_update(mine)
+                victim.empty.difference_update(mine)
+                victim.free_units -= victim.units_per_segment * len(mine)
+                self.migrations += len(mine)
+        u, stride, index = pool.units_per_segment, self._max_units, pool.index
+        rank, seg_free = self.seg_rank, self.seg_free
+        for s in segs:
+            seg_owner[s] = index
+            rank[s] = self._next_rank
+            self._next_rank += 1
+            base = s * stride
+            seg_free[s] = list(range(base + u - 1, base - 1, -1))  # unit 0 on top
+            pool.push(s, self._seg_key)  # a new key: entries in the old owner's heap go stale
+        pool.owned.update(segs)
+        pool.empty.update(segs)
+        pool.free_units += u * len(segs)
 
     def _evacuate(self, pool: Pool, segs: list[int], excluded: set[int]) -> None:
-        """Move every live unit of ``segs`` into free units of ``pool``'s other segments."""
-        targets = (s for s in sorted(pool.owned - excluded) if self.seg_free[s])
+        """Move every live unit of ``segs`` into free units of ``pool``'s other segments
+        (in the pool's fill order), one device copy for the whole batch."""
+        w, stride = pool.unit_words, self._max_units
+        h_slot, seg_live, seg_free = self._h_slot, self.seg_live, self.seg_free
+        src = set(segs)
+        moving = sorted((slot, h) for h, slot in enumerate(h_slot)
+                        if slot >= 0 and slot // stride in src)
+        targets = (s for s in pool.fill_order(pool.owned - excluded) if seg_free[s])
         dest, moves = next(targets), []
-        w = pool.unit_words
-        for src in segs:
-            for unit, h in enumerate(self.seg_units[src]):
-                if h < 0:
-                    continue
-                while not self.seg_free[dest]:
-                    dest = next(targets)
-                d_unit = self.seg_free[dest].pop()
-                if self.seg_live[dest] == 0:
-                    pool.empty.discard(dest)
-                moves.append((src, unit * w, dest, d_unit * w))
-                self.seg_units[dest][d_unit] = h
-                self.seg_live[dest] += 1
-                self.seg_units[src][unit] = -1
-                self.seg_free[src].append(unit)
-                self.seg_live[src] -= 1
-                self._h_seg[h], self._h_unit[h] = dest, d_unit
-                self._table[h] = (dest, d_unit * w)
-            pool.empty.add(src)
+        for slot, h in moving:
+            while not seg_free[dest]:
+                dest = next(targets)
+            d_slot = seg_free[dest].pop()
+            if seg_live[dest] == 0:
+                pool.empty.discard(dest)
+            seg_live[dest] += 1
+            if not seg_free[dest]:
+                self._seg_key[dest] = -1  # full: its heap entry goes stale
+            moves.append((slot // stride, slot % stride * w, dest, d_slot % stride * w))
+            h_slot[h] = d_slot
+        for s in segs:
+            seg_live[s] = 0
+            pool.empty.add(s)
+        if self._dirty is not None:
+            self._dirty += [h for _, h in moving]
         self.arena.move(moves, w)
         self.migrated_bytes += len(moves) * w * WORD_BYTES
         self.compactions += 1
@@ -347,8 +546,13 @@ class MemoryManager:
             raise UnknownRequestError(f"request_id {request_id!r} holds no memory")
         if kind is not None:
             self._pool_for(kind)
+        h_owner = self._h_owner
         if handles is None:
-            victims = [h for h in held if kind is None or self._h_kind[h] == kind]
+            if kind is None:
+                victims = held
+            else:
+                kid = self._kind_id[kind]
+                victims = [h for h in held if h_owner[h][1] == kid]
         else:
             victims = list(handles)
             if len(set(victims)) != len(victims):
@@ -356,35 +560,43 @@ class MemoryManager:
             for h in victims:
                 if not self._is_handle(h):
                     raise UnknownHandleError(f"handle {h!r} is not a handle of this manager")
-                if h not in held:
-                    if self._h_kind[h] is None:
-                        raise DoubleFreeError(f"handle {h!r} was already freed")
+                own = h_owner[h]
+                if own is None:
+                    raise DoubleFreeError(f"handle {h!r} was already freed")
+                if own[0] != request_id:
                     raise UnknownHandleError(
                         f"handle {h!r} is not held by request_id {request_id!r}")
-                if kind is not None and self._h_kind[h] != kind:
+                if kind is not None and KINDS[own[1]] != kind:
                     raise HandleKindError(
-                        f"handle {h} has kind {self._h_kind[h]!r}, not kind {kind!r}")
-        for h in victims:
-            self._release(h)
-            del held[h]
-        if not held:
+                        f"handle {h} has kind {KINDS[own[1]]!r}, not kind {kind!r}")
+            victims = [int(h) for h in victims]
+        if len(victims) == len(held):
             del self._requests[request_id]
             self._retired.add(request_id)
+        elif victims:
+            gone = set(victims)
+            held[:] = [h for h in held if h not in gone]
+        if victims:
+            self._release(victims)
         self._device_table = None
 
     # -------------------------------------------------------------------------------- access
 
     def _is_handle(self, handle: Any) -> bool:
-        return (isinstance(handle, int | np.integer) and not isinstance(handle, bool)
-                and 0 <= handle < len(self._h_seg))
+        return (isinstance(handle, _INTS) and not isinstance(handle, bool)
+                and 0 <= handle < self._capacity and self._h_slot[handle] != -2)
+
+    def _kind_of(self, handle: int) -> str | None:
+        own = self._h_owner[handle]
+        return None if own is None else KINDS[own[1]]
 
     def _locate(self, kind: str, handle: int, field: str | None) -> tuple[int, int, Field]:
         self._pool_for(kind)
-        if not self._is_handle(handle) or self._h_kind[handle] is None:
+        if not self._is_handle(handle) or self._h_owner[handle] is None:
             raise UnknownHandleError(f"handle {handle!r} is not a live handle")
-        if self._h_kind[handle] != kind:
+        if self._kind_of(handle) != kind:
             raise HandleKindError(
-                f"handle {handle} has kind {self._h_kind[handle]!r}, not kind {kind!r}")
+                f"handle {handle} has kind {self._kind_of(handle)!r}, not kind {kind!r}")
         if field is None:
             f = self._default_field[kind]
         else:
@@ -393,7 +605,7 @@ class MemoryManager:
             except KeyError:
                 raise ValueError(f"field must be one of {sorted(self._fields[kind])} for kind "
                                  f"{kind!r}, got {field!r}") from None
-        seg, unit = self._h_seg[handle], self._h_unit[handle]
+        seg, unit = divmod(self._h_slot[handle], self._max_units)
         return seg, unit * self.pools[self.seg_owner[seg]].unit_words, f
 
     def read(self, kind: str, handle: int, field: str | None = None) -> jax.Array:
@@ -414,17 +626,41 @@ class MemoryManager:
     def read_raw(self, kind: str, handle: int) -> jax.Array:
         """The whole unit as ``uint32`` words (every field, padding included)."""
         seg, word, _ = self._locate(kind, handle, None)
-        return self.arena.read_words(seg, word, self.layout.unit_words(kind))
+        return self.arena.read_words(seg, word, self._unit_words[kind])
 
     def fields(self, kind: str) -> tuple[Field, ...]:
         """The typed fields of one unit of ``kind`` (names, shapes, dtypes, word offsets)."""
         self._pool_for(kind)
         return self.layout.fields(kind)
 
+    @property
+    def _table(self) -> np.ndarray:
+        """The host translation table ``[H, 2]`` int32, brought up to date in one batch."""
+        dirty = self._dirty
+        if dirty is None:  # too many changes since the last time: rebuild it whole
+            hs = range(self._capacity)
+        elif dirty:
+            hs = sorted(set(dirty))
+        else:
+            return self._table_np
+        self._dirty = []
+        stride, owner, pools = self._max_units, self.seg_owner, self.pools
+        rows: list[int] = []
+        for h in hs:
+            slot = self._h_slot[h]
+            if slot < 0:
+                rows += (-1, -1)
+            else:
+                seg = slot // stride
+                rows += (seg, slot % stride * pools[owner[seg]].unit_words)
+        self._table_np[list(hs)] = np.asarray(rows, np.int32).reshape(-1, 2)
+        return self._table_np
+
     def device_table(self) -> jax.Array:
         """``[H, 2]`` int32 ``(segment, word)`` per handle (-1 when free), on the arena's device.
 
-        Uploaded once per change of the layout, not per allocation."""
+        Uploaded once per change of the layout, not per allocation; the host table is
+        brought up to date then, in one batch."""
         if self._device_table is None:
             self._device_table = jax.device_put(self._table, self.arena.buffer.device)
         return self._device_table
@@ -435,25 +671,27 @@ class MemoryManager:
         return self.layout.page_size
 
     def handles(self, request_id: Hashable) -> list[int]:
-        """Live handles of a request (empty if none)."""
+        """Live handles of a request (empty if none), in allocation order."""
         return list(self._requests.get(request_id, ()))
 
     def live(self) -> Iterator[tuple[int, str, Hashable, int, int, int]]:
-        """Every live handle as ``(handle, kind, request, segment, word, words)``."""
-        for h, kind in enumerate(self._h_kind):
-            if kind is not None:
-                seg = self._h_seg[h]
+        """Every live handle as ``(handle, kind, request, segment, word, words)``, by handle."""
+        stride = self._max_units
+        for h, own in enumerate(self._h_owner):
+            if own is not None:
+                seg, unit = divmod(self._h_slot[h], stride)
                 w = self.pools[self.seg_owner[seg]].unit_words
-                yield h, kind, self._h_req[h], seg, self._h_unit[h] * w, w
+                yield h, KINDS[own[1]], own[0], seg, unit * w, w
 
     def stats(self) -> dict[str, Any]:
         """Counters. ``free_bytes + used_bytes == arena_bytes``; ``used_bytes`` counts whole
         units as stored, ``padding_bytes`` the part of them that is padding."""
         arena = self.arena.nbytes
         used = sum(p.live * p.unit_words for p in self.pools) * WORD_BYTES
+        live = dict(zip(KINDS, self._live_count, strict=True))
         padding = sum(
             n * (self._pool_for(k).unit_words - self.layout.unit_words(k)) * WORD_BYTES
-            for k, n in self._live_by_kind.items())
+            for k, n in live.items())
         seg_bytes = self.arena.segment_words * WORD_BYTES
         tail = sum(len(p.owned) * (self.arena.segment_words - p.units_per_segment * p.unit_words)
                    for p in self.pools) * WORD_BYTES
@@ -468,10 +706,10 @@ class MemoryManager:
             "free_bytes": arena - used,
             "padding_bytes": padding,
             "segment_tail_bytes": tail,
-            "kv_pages": self._live_by_kind["kv"],
-            "state_slots": self._live_by_kind["state"],
-            "snapshot_slots": self._live_by_kind["snapshot"],
-            "stash_units": self._live_by_kind["stash"],
+            "kv_pages": live["kv"],
+            "state_slots": live["state"],
+            "snapshot_slots": live["snapshot"],
+            "stash_units": live["stash"],
             "tokens_per_page": self.tokens_per_page,
             "migrations": self.migrations,
             "migrated_bytes": self.migrated_bytes,

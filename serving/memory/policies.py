@@ -7,8 +7,11 @@ units are moved out), or ``None`` when no such set exists. The manager checks no
 executes the plan, so a ``None`` plan is what makes a failed allocation change nothing.
 
 - ``avmp``: one segment space shared by the KV, state and stash pools. A pool takes unowned
-  segments first, then wholly free segments of another pool, then compacts the pool with the
-  most reclaimable segments (moving live units out of its emptiest segments).
+  segments first, then wholly free segments of other pools (those of the pool with the most
+  free segments first: no data moves), then compacts: among the segments other pools can give
+  up (each keeps room for its live units), it takes the set that costs least to empty, one
+  copy kernel per victim pool (``Policy.launch_bytes``) plus the bytes of the live units it
+  moves.
 - ``static_dual(ratio)``: SGLang-style split. ``ratio`` is ``mamba_full_memory_ratio``
   (state-side bytes / KV-side bytes); the KV side never lends to the state side or back.
   The state and stash pools share the state side as in AVMP.
@@ -24,9 +27,11 @@ executes the plan, so a ``None`` plan is what makes a failed allocation change n
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 from typing import TYPE_CHECKING, Any
 
-from serving.memory.layout import KINDS, POOL_OF_KIND, HybridLayout
+from serving.memory.layout import KINDS, POOL_OF_KIND, WORD_BYTES, HybridLayout
 
 if TYPE_CHECKING:
     from serving.memory.manager import MemoryManager
@@ -52,25 +57,66 @@ class Policy:
         """(group of each pool, group of each segment): a pool only ever owns its group."""
         return [0] * len(pool_names), [0] * num_segments
 
+    # A copy kernel's launch costs about as much as copying this many bytes (5 us at ~4 TB/s,
+    # read + write): the exchange rate between "compact one more pool" and "move more bytes".
+    launch_bytes = 10 << 20
+
     def plan(self, mm: MemoryManager, pool: Pool, need: int) -> list[int] | None:
-        chosen = list(mm.unowned[pool.group][:need])
-        if len(chosen) == need:
-            return chosen
+        unowned = mm.unowned[pool.group]
+        if len(unowned) >= need:
+            return unowned[:need]
         others = [q for q in mm.pools if q is not pool and q.group == pool.group]
+        chosen = list(unowned)
+        if len(chosen) + sum(len(q.empty) for q in others) >= need:
+            # Wholly free segments move no data; take them from the pool with the most first
+            # (the one least likely to need a segment back soon), lowest segments first.
+            for q in sorted(others, key=lambda q: (-len(q.empty), q.index)):
+                k = need - len(chosen)
+                if k == 1 and q.empty:
+                    chosen.append(min(q.empty))
+                else:
+                    chosen += sorted(q.empty)[:k]
+                if len(chosen) == need:
+                    return chosen
+        # Fail fast: every other pool can give up all but the segments its live units need.
+        if len(unowned) + sum(len(q.owned) - q.min_segments() for q in others) < need:
+            return None
+        for q in sorted(others, key=lambda q: (-len(q.empty), q.index)):
+            chosen += sorted(q.empty)  # all of them: they do not cover the need
+        compacted = self._cheapest_compaction(mm, others, need - len(chosen))
+        return None if compacted is None else chosen + compacted
+
+    def _cheapest_compaction(self, mm: MemoryManager, others: list[Pool],
+                             count: int) -> list[int] | None:
+        """``count`` busy segments of ``others`` whose evacuation costs least, or ``None``.
+
+        Pool ``q`` can give up at most ``owned - empty - min_segments`` busy segments (its
+        free segments are already taken), cheapest = fewest live units first. Cost of a choice:
+        the bytes of the units it moves plus ``launch_bytes`` per pool it touches (each victim
+        pool is one copy kernel). Every subset of victim pools is tried (there are at most two
+        other pools), so the choice is the cheapest, and deterministic (ties: fewer pools, then
+        lower pool index, then higher segment: the low segments stay packed)."""
+        live = mm.seg_live
+        cands = []
         for q in others:
-            chosen += sorted(q.empty)[: need - len(chosen)]
-            if len(chosen) == need:
-                return chosen
-        ranked = sorted(
-            (-(len(q.owned) - q.min_segments() - len(q.empty)), q.index, q) for q in others)
-        for neg_extra, _, q in ranked:
-            if neg_extra >= 0:
-                break
-            busy = sorted(q.owned - q.empty, key=lambda s: (mm.seg_live[s], -s))
-            chosen += busy[: min(-neg_extra, need - len(chosen))]
-            if len(chosen) == need:
-                return chosen
-        return None
+            extra = len(q.owned) - q.min_segments() - len(q.empty)
+            if extra <= 0:
+                continue
+            busy = heapq.nsmallest(min(extra, count), (s for s in q.owned if s not in q.empty),
+                                   key=lambda s: (live[s], -s))
+            unit_bytes = q.unit_words * WORD_BYTES
+            cands.append([(live[s] * unit_bytes, q.index, -s, s) for s in busy])
+        best = None
+        for r in range(1, len(cands) + 1):
+            for subset in itertools.combinations(cands, r):
+                merged = sorted(itertools.chain.from_iterable(subset))[:count]
+                if len(merged) < count:
+                    continue
+                pools_used = len({c[1] for c in merged})
+                key = (sum(c[0] for c in merged) + self.launch_bytes * pools_used, pools_used)
+                if best is None or key < best[0]:
+                    best = (key, [c[3] for c in merged])
+        return None if best is None else best[1]
 
 
 class StaticDual(Policy):

@@ -2,7 +2,8 @@
 
 After every step: no two live handles overlap; every byte written reads back bit for bit,
 whatever migrations and compactions happened; free + used == arena; the host and device
-tables agree. A failed allocation and every rejected call leave the manager unchanged.
+tables agree. A failed allocation and every rejected call leave the manager unchanged; the
+joint dry run ``fits_all`` changes nothing and predicts the allocations exactly.
 """
 
 from __future__ import annotations
@@ -74,6 +75,24 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(rid=REQUESTS, kind=KINDS, n=st.integers(1, 5))
     def alloc_more(self, rid, kind, n):
         self.alloc(rid, kind, n)
+
+    @rule(needs=st.lists(st.tuples(KINDS, st.integers(0, 6)), min_size=1, max_size=3))
+    def fits_all_is_exact(self, needs):
+        """The joint dry run changes nothing and answers what the allocations then do."""
+        before = snapshot(self.mm)
+        answer = self.mm.fits_all(needs)
+        assert snapshot(self.mm) == before
+        done = True
+        for kind, n in needs:
+            if n:
+                try:
+                    self.mm.alloc("probe", kind, n)
+                except (OutOfMemoryError, AllocationTooLargeError):
+                    done = False
+                    break
+        assert answer == done
+        if self.mm.handles("probe"):
+            self.mm.free("probe")  # the units moved by migrations keep their contents
 
     @rule(rid=REQUESTS)
     def free_request(self, rid):

@@ -12,6 +12,7 @@ from serving.memory import (
     HybridLayout,
     MemoryManager,
     OutOfMemoryError,
+    UnknownKindError,
     view,
 )
 from tests.serving.memory.memory_helpers import TINY, field_words, random_field, tiny_manager
@@ -201,3 +202,132 @@ def test_default_segment_packs_every_pool():
         assert pool.units_per_segment * pool.unit_words >= 0.9 * seg, pool.name
     assert mm.arena.nbytes <= budget
     assert MemoryManager(lay, budget, "avmp").arena.segment_words == seg  # deterministic
+
+
+# ------------------------------------------------------------------------ issue 5 follow-up
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fits_all_is_an_exact_dry_run(policy):
+    """``fits_all`` answers exactly what the same allocations, in order, then do; it changes
+    nothing; and it never counts one free segment for two kinds."""
+    mm = tiny_manager(policy, segments=6, **ARGS.get(policy, {}))
+    rng = np.random.default_rng(8)
+    kinds = ["kv", "state", "snapshot", "stash"]
+    checked = {True: 0, False: 0}
+    for step in range(120):
+        for _ in range(3):  # random traffic
+            rid = int(rng.integers(0, 8))
+            if rng.random() < 0.6:
+                try:
+                    mm.alloc(rid, kinds[rng.integers(0, 4)], int(rng.integers(1, 6)))
+                except (OutOfMemoryError, AllocationTooLargeError):
+                    pass
+            elif mm.handles(rid):
+                mm.free(rid)
+        needs = [(kinds[rng.integers(0, 4)], int(rng.integers(0, 12)))
+                 for _ in range(int(rng.integers(1, 4)))]
+        before = (sorted(mm.live(), key=repr), repr(mm.stats()), mm._table.tobytes())
+        answer = mm.fits_all(needs)
+        assert (sorted(mm.live(), key=repr), repr(mm.stats()), mm._table.tobytes()) == before
+        ok = True
+        for kind, n in needs:
+            if n == 0:
+                continue
+            try:
+                mm.alloc("probe", kind, n)
+            except (OutOfMemoryError, AllocationTooLargeError):
+                ok = False
+                break
+        assert answer == ok, (step, needs)
+        checked[ok] += 1
+        if mm.handles("probe"):
+            mm.free("probe")
+    assert checked[True] and checked[False]
+
+
+def test_fits_all_does_not_count_a_free_segment_twice():
+    mm = tiny_manager("avmp", segments=3)
+    mm.alloc("a", "kv", 11)
+    mm.alloc("b", "state", 2)  # one unowned segment left
+    assert mm.fits("kv", 11) and mm.fits("stash", 2)
+    assert not mm.fits_all({"kv": 11, "stash": 2})
+    assert mm.fits_all([("kv", 11), ("stash", 0)])
+    with pytest.raises(ValueError, match="non-negative"):
+        mm.fits_all({"kv": -1})
+    with pytest.raises(UnknownKindError, match="kind"):
+        mm.fits_all({"weights": 1})
+
+
+def test_reassigning_a_free_segment_does_no_device_work():
+    mm = tiny_manager("avmp", segments=3)
+    mm.alloc("a", "kv", 11)
+    mm.alloc("b", "state", 2)
+    mm.alloc("c", "stash", 2)
+    mm.free("a")  # segment 0: owned by KV, wholly free
+    buf = mm.arena.buffer
+    mm.alloc("d", "state", 2)  # takes segment 0 from KV
+    st = mm.stats()
+    assert st["migrations"] == 1 and st["compactions"] == 0 and st["migrated_bytes"] == 0
+    assert mm.arena.buffer is buf  # no jitted call touched the arena
+
+
+def test_compaction_moves_the_fewest_bytes():
+    """The stash pool needs a segment; KV can give one up by moving one 128 B page, the state
+    pool (which has more reclaimable segments) by moving a 672 B slot: KV is compacted."""
+    mm = tiny_manager("avmp", segments=8)
+    a = mm.alloc("a", "kv", 11)  # segment 0
+    mm.alloc("b", "kv", 1)  # segment 1
+    mm.free("a", handles=a[:1])  # KV: 10 + 1 live pages in 2 segments
+    for r in range(4):
+        mm.alloc(f"s{r}", "state", 2)  # segments 2..5
+    for r in range(4):
+        mm.free(f"s{r}", handles=mm.handles(f"s{r}")[:1])  # state: 4 live in 4 segments
+    mm.alloc("t", "stash", 4)  # segments 6, 7: nothing unowned or free is left
+    assert mm.stats()["unowned_segments"] == 0
+    mm.alloc("t", "stash", 1)
+    st = mm.stats()
+    assert st["compactions"] == 1 and st["migrated_bytes"] == TINY.kv_page_bytes
+
+
+def test_pools_fill_their_oldest_segment_first():
+    mm = tiny_manager("avmp", segments=4)
+    a = mm.alloc("a", "kv", 11)  # segment 0
+    mm.alloc("s", "state", 2)  # segment 1
+    b = mm.alloc("b", "kv", 11)  # segment 2
+    mm.alloc("t", "stash", 2)  # segment 3
+    mm.free("s")
+    c = mm.alloc("c", "kv", 11)  # takes segment 1 from the state pool: KV's newest segment
+    assert {mm._h_slot[h] // mm._max_units for h in c} == {1}
+    mm.free("a", handles=a[:1])
+    mm.free("b", handles=b[:1])
+    mm.free("c", handles=c[:1])
+    got = [mm.alloc("d", "kv", 1)[0] for _ in range(3)]
+    where = {h: seg for h, _, _, seg, _, _ in mm.live()}
+    assert [where[h] for h in got] == [0, 2, 1]  # oldest first; lowest first: [0, 1, 2]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_host_table_catches_up_after_many_changes(policy):
+    """The numpy table is brought up to date lazily; after more changes than it tracks one by
+    one it is rebuilt whole, and either way it matches every live handle."""
+    mm = tiny_manager(policy, segments=5, **ARGS.get(policy, {}))
+    random_run(mm, 400, seed=9, fill=False)
+    assert mm._dirty is None  # overflowed: the next read rebuilds
+    table = mm._table
+    live = {h: (seg, word) for h, _, _, seg, word, _ in mm.live()}
+    for h in range(table.shape[0]):
+        assert tuple(table[h]) == live.get(h, (-1, -1))
+    assert mm._dirty == []
+
+
+def test_default_segments_stay_fine_grained_for_small_arenas():
+    """A pool wastes at most one partly filled segment, so a small arena gets about 32 (not
+    16) segments when the units allow: 32 state slots of the tiny model give 30 segments of
+    one slot (56 KiB: 1 state, 2 stashes, 7 KV pages), every pool still packing >= 90%."""
+    lay = HybridLayout(page_size=32, attn_layers=1, kv_heads=1, head_dim=64, gdn_layers=3,
+                       k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
+    mm = MemoryManager(lay, 32 * lay.state_slot_bytes, "avmp")
+    assert mm.num_segments == 30
+    assert [p.units_per_segment for p in mm.pools] == [7, 1, 2]
+    assert mm.arena.segment_words * 4 < 1.1 * lay.state_slot_bytes
