@@ -31,6 +31,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from gdn_jax.chunk import chunk_gated_delta_rule as xla_chunk  # noqa: E402
@@ -301,6 +302,44 @@ def bench_commit(args, bw, mm, rows):
                 print_row(row)
 
 
+def _copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 1.0
+
+
+def pallas_copy(s0, block_v: int = 64, interpret: bool = False):
+    """The simplest Pallas kernel over the verify's grid: copies the state ``[B, Hv, K, V]``."""
+    b, hv, dk, dv = s0.shape
+    spec = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
+    return pl.pallas_call(
+        _copy_kernel, grid=(b, hv, dv // block_v), in_specs=[spec], out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(s0.shape, s0.dtype), interpret=interpret,
+        name="state_copy",
+    )(s0)  # fmt: skip
+
+
+def bench_overhead(args, bw, mm, rows):
+    """Per-call cost of a trivial Pallas kernel against the same copy in XLA, both timed like
+    the verify (``timed_fused``): separates the cost of a Pallas/Triton call in an XLA program
+    from kernel work (the session-2 verify timings carry ~100 us per call that ncu does not
+    see inside the kernel)."""
+    interpret = args.dry_run
+    for hv, b, _ in args.configs:
+        row = dict(op="overhead", Hv=hv, B=b)
+        states = [0.1 * jax.random.normal(jax.random.key(i), (b, hv, K, V), F32)
+                  for i in range(n_sets(2 * b * hv * K * V * 4))]  # fmt: skip
+        sets = [(x,) for x in states]
+        row["R"] = len(sets)
+        row["floor_us"] = 1e6 * 2 * states[0].nbytes / bw
+        attempt(row, "pallas_copy_us", lambda: 1e6 * timed_fused(
+            lambda x: pallas_copy(x, interpret=interpret), sets, args.reps))  # fmt: skip
+        attempt(row, "xla_copy_us", lambda: 1e6 * timed_fused(
+            lambda x: x * 1.0001, sets, args.reps))  # fmt: skip
+        attempt(row, "pallas_copy_single_us", lambda: 1e6 * timed(
+            lambda x: pallas_copy(x, interpret=interpret), sets, args.reps))  # fmt: skip
+        rows.append(row)
+        print_row(row)
+
+
 def bench_chunk(args, bw, mm, rows):
     blocks = parse_blocks(args.chunk_blocks, pk.ChunkBlocks)
     fla = None
@@ -440,7 +479,10 @@ def main(argv=None):
         help="explicit 'Hv:B:N' list, e.g. '32:16:64;64:1:64' (default: --hv x --batch x --nodes)",
     )  # fmt: skip
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--ops", default="verify,commit,chunk")
+    p.add_argument(
+        "--ops", default="verify,commit,chunk",
+        help="comma list of verify, commit, chunk, overhead (a trivial Pallas copy vs XLA)",
+    )  # fmt: skip
     p.add_argument(
         "--verify-blocks", action="append", default=[],
         help="VerifyBlocks fields, e.g. 'block_v=128,num_warps=8,precision=tf32x3'; repeatable",
@@ -504,13 +546,20 @@ def main(argv=None):
     )
     rows: list[dict] = []
     ops = args.ops.split(",")
-    for name, bench in (("verify", bench_verify), ("commit", bench_commit), ("chunk", bench_chunk)):
+    benches = (("overhead", bench_overhead), ("verify", bench_verify), ("commit", bench_commit),
+               ("chunk", bench_chunk))  # fmt: skip
+    for name, bench in benches:
         if name in ops:
             try:
                 bench(args, bw, mm, rows)
             except Exception as e:  # report and go on with the next op
                 print(f"# {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
             dump(args, dev, bw, mm, rows)
+    orows = [r for r in rows if r["op"] == "overhead"]
+    if orows:
+        print("\n## per-call cost: trivial Pallas copy vs XLA copy of the state (us per call)\n")
+        print(table(orows, ["Hv", "B", "R", "pallas_copy_us", "xla_copy_us",
+                            "pallas_copy_single_us", "floor_us"]))  # fmt: skip
     vr = [r for r in rows if r["op"] == "tree_verify"]
     if vr and args.breakdown:
         print("\n## tree_verify cut after each stage (us; variant 0)\n")
