@@ -36,6 +36,37 @@ def _next_pow2(x: int) -> int:
     return 1 << max(x - 1, 0).bit_length()
 
 
+def _pad_nodes(q, draft_k, draft_v, draft_mask):
+    """Pads the node axis to a power of two: ``(q, draft_k, draft_v, mask int32, N padded)``;
+    padded nodes see themselves, so no row of the softmax is empty."""
+    n = q.shape[1]
+    np2 = _next_pow2(n)
+    pad_n = lambda x: jnp.pad(x, [(0, 0), (0, np2 - n)] + [(0, 0)] * (x.ndim - 2))
+    mask = jnp.pad(draft_mask, [(0, 0), (0, np2 - n), (0, np2 - n)])
+    mask = (mask | (jnp.arange(np2) >= n)[:, None] & jnp.eye(np2, dtype=bool)).astype(jnp.int32)
+    return pad_n(q), pad_n(draft_k), pad_n(draft_v), mask, np2
+
+
+def _node_specs(np2: int, d: int, group: int):
+    """Block specs on the (batch row, query head) grid: ``(q and output, draft K/V, mask)``."""
+    return (
+        pl.BlockSpec((None, np2, None, d), lambda i, h: (i, 0, h, 0)),
+        pl.BlockSpec((None, np2, None, d), lambda i, h: (i, 0, h // group, 0)),
+        pl.BlockSpec((None, np2, np2), lambda i, h: (i, 0, 0)),
+    )
+
+
+def _call_args(q_spec, shape, dtype, blocks: TreeAttentionBlocks, interpret: bool) -> dict:
+    """The ``pallas_call`` arguments both attention kernels share (output, launch knobs)."""
+    return dict(
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(shape, dtype),
+        compiler_params=plt.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+    )  # fmt: skip
+
+
 def _dot_nt(a, b, precision):
     return jax.lax.dot_general(
         a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
@@ -122,18 +153,14 @@ def tree_attention(
     hkv = k_pages.shape[2]
     if hq % hkv:
         raise ValueError(f"q: heads {hq} must be a multiple of the KV heads {hkv}")
-    np2 = _next_pow2(n)
+    q_p, dk_p, dv_p, mask, np2 = _pad_nodes(q, draft_k, draft_v, draft_mask)
     mp2 = _next_pow2(page_table.shape[1])
-    pad_n = lambda x: jnp.pad(x, [(0, 0), (0, np2 - n)] + [(0, 0)] * (x.ndim - 2))
-    q_p, dk_p, dv_p = pad_n(q), pad_n(draft_k), pad_n(draft_v)
-    # padded nodes see themselves, so no row is empty
-    mask = jnp.pad(draft_mask, [(0, 0), (0, np2 - n), (0, np2 - n)])
-    mask = (mask | (jnp.arange(np2) >= n)[:, None] & jnp.eye(np2, dtype=bool)).astype(jnp.int32)
     pt = jnp.pad(page_table.astype(jnp.int32), [(0, 0), (0, mp2 - page_table.shape[1])])
     pt = jnp.clip(pt, 0, k_pages.shape[0] - 1)
     group = hq // hkv
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, group=group, scale=scale, precision=precision)
+    q_spec, kv_spec, mask_spec = _node_specs(np2, d, group)
     full = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
     out = pl.pallas_call(
         kernel,
@@ -141,18 +168,13 @@ def tree_attention(
         in_specs=[
             full(kv_len),
             pl.BlockSpec((None, mp2), lambda i, h: (i, 0)),
-            pl.BlockSpec((None, np2, None, d), lambda i, h: (i, 0, h, 0)),
+            q_spec,
             full(k_pages),
             full(v_pages),
-            pl.BlockSpec((None, np2, None, d), lambda i, h: (i, 0, h // group, 0)),
-            pl.BlockSpec((None, np2, None, d), lambda i, h: (i, 0, h // group, 0)),
-            pl.BlockSpec((None, np2, np2), lambda i, h: (i, 0, 0)),
+            kv_spec,
+            kv_spec,
+            mask_spec,
         ],
-        out_specs=pl.BlockSpec((None, np2, None, d), lambda i, h: (i, 0, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, np2, hq, d), q.dtype),
-        compiler_params=plt.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages
-        ),
-        interpret=interpret,
+        **_call_args(q_spec, (b, np2, hq, d), q.dtype, blocks, interpret),
     )(kv_len.astype(jnp.int32), pt, q_p, k_pages, v_pages, dk_p, dv_p, mask)
     return out[:, :n]
