@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels.arena_attention import tree_attention as arena_attention
 from pallas_kernels.tree_attention import tree_attention as dense_attention
@@ -72,3 +74,51 @@ def test_arena_attention_bad_inputs_raise():
     with pytest.raises(ValueError, match="page_size"):
         arena_attention(q, a, t, h, l, dk, dv, mask, kv_dtype=np.float32,
                         **{**kw, "page_size": 12})  # fmt: skip
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 48), min_size=1, max_size=3),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_arena_attention_random_pages(lens, bf16, seed):
+    """Random lengths (partial last pages), shuffled unit placements and unmapped tails: the
+    arena kernel equals the dense-pages kernel."""
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16 if bf16 else np.float32
+    b, mp = len(lens), 3
+    per_word = 2 if bf16 else 1
+    unit_words = LAYERS * 2 * S * HKV * D // per_word
+    arena = rng.integers(0, 2**32, (b * mp, unit_words + 64), dtype=np.uint32)
+    segs = rng.permutation(b * mp)
+    table = np.stack([segs, rng.integers(0, 64 - OFFSET, b * mp)], 1).astype(np.int32)
+    handles = np.full((b, mp), -1, np.int32)
+    k_pages = np.zeros((b * mp, S, HKV, D), np.float32)
+    v_pages = np.zeros_like(k_pages)
+    for r, length in enumerate(lens):
+        for j in range(-(-length // S)):
+            h = r * mp + j
+            handles[r, j] = h
+            unit = jnp.asarray(rng.standard_normal((LAYERS, 2, S, HKV, D)), dtype)
+            live = ((j * S + np.arange(S)) < length)[:, None, None]
+            k_pages[h] = np.asarray(unit[LAYER, 0].astype(jnp.float32)) * live
+            v_pages[h] = np.asarray(unit[LAYER, 1].astype(jnp.float32)) * live
+            seg, word = table[h]
+            arena[seg, word + OFFSET : word + OFFSET + unit_words] = np.asarray(unit).reshape(
+                -1).view(np.uint32)
+    cast = lambda x: jnp.asarray(x, dtype)
+    q = cast(rng.standard_normal((b, N, HQ, D)))
+    dk, dv = (cast(rng.standard_normal((b, N, HKV, D))) for _ in range(2))
+    mask = jnp.asarray(rng.random((b, N, N)) < 0.5) | jnp.eye(N, dtype=bool)
+    pt = jnp.asarray(np.arange(b * mp, dtype=np.int32).reshape(b, mp))
+    want = dense_attention(q, cast(k_pages), cast(v_pages), pt, jnp.asarray(lens), dk, dv, mask,
+                           scale=0.25, interpret=True)  # fmt: skip
+    got = arena_attention(
+        q, jnp.asarray(arena), jnp.asarray(table), jnp.asarray(handles), jnp.asarray(lens),
+        dk, dv, mask, layer=LAYER, kv_offset=OFFSET, page_size=S, kv_dtype=dtype, scale=0.25,
+        interpret=True,
+    )  # fmt: skip
+    tol = 1e-2 if bf16 else 1e-6
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)),
+                               np.asarray(want.astype(jnp.float32)), rtol=tol, atol=tol)  # fmt: skip
