@@ -9,7 +9,6 @@ from pallas_kernels.chunk import GPU_MAX_CHUNK, ChunkBlocks, chunk_gated_delta_r
 from pallas_kernels.snapshot_verify import SnapshotBlocks, snapshot_verify
 from pallas_kernels.tree_commit import CommitBlocks, tree_commit
 from pallas_kernels.tree_verify import (
-    GPU_MAX_NODES,
     GPU_MAX_NODES_X3,
     MAX_NODES,
     VerifyBlocks,
@@ -18,7 +17,6 @@ from pallas_kernels.tree_verify import (
 
 __all__ = [
     "GPU_MAX_CHUNK",
-    "GPU_MAX_NODES",
     "GPU_MAX_NODES_X3",
     "MAX_NODES",
     "ChunkBlocks",

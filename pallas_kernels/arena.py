@@ -23,14 +23,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._wy import F32, dot_precision, next_pow2, pad_axis, prepare_tree_launch
-from pallas_kernels.tree_commit import DEFAULT_COMMIT_BLOCKS, CommitBlocks
-from pallas_kernels.tree_commit import _kernel as _commit_kernel
+from pallas_kernels._wy import F32, prepare_tree_launch
+from pallas_kernels.tree_commit import (
+    DEFAULT_COMMIT_BLOCKS,
+    CommitBlocks,
+    prepare_commit_launch,
+)
 from pallas_kernels.tree_verify import (
     DEFAULT_VERIFY_BLOCKS,
     MAX_NODES,
     VerifyBlocks,
     _refine_kernel,
+    verify_specs,
 )
 
 
@@ -102,7 +106,7 @@ def tree_verify(
     _check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
     q, k, v, g, beta, parents = t[:6]
-    npad, bv, grp = t.npad, t.bv, t.grp
+    npad, bv = t.npad, t.bv
     body = functools.partial(
         _refine_kernel, scale=t.scale, use_l2norm=use_qk_l2norm, blocks=blocks,
         interpret=interpret)  # fmt: skip
@@ -113,23 +117,14 @@ def tree_verify(
         s0 = _Value(_load_state(ar_ref, addr))
         body(q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, s0, o_ref, u_ref, gp_ref)
 
-    qk_spec = pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // grp, 0))
-    vo_spec = pl.BlockSpec((None, npad, None, bv), lambda i, h, j: (i, 0, h, j))
-    gb_spec = pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h))
+    in_specs, out_specs, out_shape = verify_specs(t, v)
     o, u, g_path = pl.pallas_call(
         kernel,
         grid=(b, hv, dv // bv),
-        in_specs=[
-            qk_spec, qk_spec, vo_spec, gb_spec, gb_spec,
-            pl.BlockSpec((None, npad), lambda i, h, j: (i, 0)),
-            _whole(), _whole(), _whole(),
-        ],  # fmt: skip
-        out_specs=[vo_spec, vo_spec, gb_spec],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, npad, hv, dv), v.dtype),
-            jax.ShapeDtypeStruct((b, npad, hv, dv), F32),
-            jax.ShapeDtypeStruct((b, npad, hv), F32),
-        ],
+        in_specs=[*in_specs, pl.BlockSpec((None, npad), lambda i, h, j: (i, 0)),
+                  _whole(), _whole(), _whole()],  # fmt: skip
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(
             num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
@@ -147,40 +142,22 @@ def tree_commit(
 ):  # fmt: skip
     """:func:`pallas_kernels.tree_commit` on the states in the arena, written in place: the
     returned arena is ``arena`` (aliased; donate it) with each valid row's state replaced."""
-    b, n, _, dk = k.shape
-    hv, dv = u.shape[2], u.shape[3]
-    if n > MAX_NODES:
-        raise ValueError(f"N: at most {MAX_NODES} nodes, got {n}")
+    t = prepare_commit_launch(
+        k, u, g_path, path, path_len, blocks, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    b, hv, dk, dv, bv = t.grid[0], t.grid[1], k.shape[3], u.shape[3], t.bv
     _check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
-    bv = min(blocks.block_v, dv)
-    npad = next_pow2(n, 16)
-    k, u, g_path = (pad_axis(x, 1, npad) for x in (k, u, g_path))
-    dpad = next_pow2(path.shape[1], 16)
-    valid = jnp.arange(path.shape[1])[None, :] < path_len[:, None]
-    path = pad_axis(jnp.where(valid, path, -1).astype(jnp.int32), 1, dpad, value=-1)
-    grp = hv // k.shape[2]
-    body = functools.partial(
-        _commit_kernel, use_l2norm=use_qk_l2norm,
-        precision=dot_precision(blocks.precision, interpret), interpret=interpret,
-        gather=getattr(blocks, "gather", False))  # fmt: skip
 
     def kernel(k_ref, u_ref, gp_ref, path_ref, hd_ref, tab_ref, ar_ref, out_ref):
         ok, seg, idx = _tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
         new = _Value()
-        body(_Value(_load_state(ar_ref, (ok, seg, idx))), k_ref, u_ref, gp_ref, path_ref, new)
+        t.body(_Value(_load_state(ar_ref, (ok, seg, idx))), k_ref, u_ref, gp_ref, path_ref, new)
         words = jax.lax.bitcast_convert_type(new.value, jnp.uint32)
         plt.store(out_ref.at[seg, idx], words, mask=jnp.broadcast_to(ok, idx.shape))
 
     return pl.pallas_call(
         kernel,
-        grid=(b, hv, dv // bv),
-        in_specs=[
-            pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // grp, 0)),
-            pl.BlockSpec((None, npad, None, bv), lambda i, h, j: (i, 0, h, j)),
-            pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h)),
-            pl.BlockSpec((None, dpad), lambda i, h, j: (i, 0)),
-            _whole(), _whole(), _whole(),
-        ],
+        grid=t.grid,
+        in_specs=[*t.in_specs, _whole(), _whole(), _whole()],
         out_specs=_whole(),
         out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
         input_output_aliases={6: 0},
@@ -188,4 +165,4 @@ def tree_commit(
             num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="gdn_tree_commit_arena",
-    )(k, u, g_path, path, handles.astype(jnp.int32), table.astype(jnp.int32), arena)
+    )(*t.args, handles.astype(jnp.int32), table.astype(jnp.int32), arena)

@@ -144,22 +144,19 @@ class _Dots:
         return _mm(a, b, ta, tb, jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
 
     def rf(self, raw, f, ta=False, tb=False):
-        if not self.exact:
-            return self.ff(raw, f, ta, tb)
-        pieces = _split_bf16(f.astype(F32), _PIECES[self.precision])
-        out = None
-        for p in reversed(pieces):  # smallest first
-            d = _mm(raw, p, ta, tb)
-            out = d if out is None else out + d
-        return out
+        """``raw @ f``: a raw bf16 operand against an f32 one split into bf16 pieces."""
+        return self._split(raw, f, ta, tb, raw_left=True)
 
     def fr(self, f, raw, ta=False, tb=False):
+        """``f @ raw``, the mirror of :meth:`rf`."""
+        return self._split(raw, f, ta, tb, raw_left=False)
+
+    def _split(self, raw, f, ta, tb, *, raw_left: bool):
         if not self.exact:
-            return self.ff(f, raw, ta, tb)
-        pieces = _split_bf16(f.astype(F32), _PIECES[self.precision])
+            return self.ff(raw, f, ta, tb) if raw_left else self.ff(f, raw, ta, tb)
         out = None
-        for p in reversed(pieces):  # smallest first
-            d = _mm(p, raw, ta, tb)
+        for p in reversed(_split_bf16(f.astype(F32), _PIECES[self.precision])):  # smallest first
+            d = _mm(raw, p, ta, tb) if raw_left else _mm(p, raw, ta, tb)
             out = d if out is None else out + d
         return out
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +91,54 @@ def _kernel(
     out_ref[...] = jnp.exp(g_last) * s0_ref[...] + upd
 
 
+class CommitLaunch(NamedTuple):
+    """Padded commit inputs, their block specs on the (row, value head, column block) grid, and
+    the kernel body (``(s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref)``)."""
+
+    args: tuple
+    in_specs: list
+    grid: tuple[int, int, int]
+    bv: int
+    body: Callable
+
+
+def prepare_commit_launch(
+    k, u, g_path, path, path_len, blocks: CommitBlocks, *, use_qk_l2norm: bool, interpret: bool
+) -> CommitLaunch:
+    """Checks the commit's inputs (ValueError naming the limit), pads ``N`` and the path to
+    powers of two >= 16 (path entries past ``path_len`` become -1), and builds the specs."""
+    b, n, hk, dk = k.shape
+    hv, dv = u.shape[2], u.shape[3]
+    if n > MAX_NODES:
+        raise ValueError(
+            f"N: the Pallas tree_commit kernel supports at most {MAX_NODES} nodes, got {n}"
+        )
+    check_pow2_dim("K", dk)
+    check_pow2_dim("V", dv)
+    check_float("k", k)
+    bv = min(blocks.block_v, dv)
+    npad = next_pow2(n, 16)
+    k, u, g_path = (pad_axis(x, 1, npad) for x in (k, u, g_path))
+    dpad = next_pow2(path.shape[1], 16)
+    valid = jnp.arange(path.shape[1])[None, :] < path_len[:, None]
+    path = pad_axis(jnp.where(valid, path, -1).astype(jnp.int32), 1, dpad, value=-1)
+    grp = hv // hk
+    body = functools.partial(
+        _kernel,
+        use_l2norm=use_qk_l2norm,
+        precision=dot_precision(blocks.precision, interpret),
+        interpret=interpret,
+        gather=getattr(blocks, "gather", False),
+    )
+    in_specs = [
+        pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // grp, 0)),
+        pl.BlockSpec((None, npad, None, bv), lambda i, h, j: (i, 0, h, j)),
+        pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h)),
+        pl.BlockSpec((None, dpad), lambda i, h, j: (i, 0)),
+    ]
+    return CommitLaunch((k, u, g_path, path), in_specs, (b, hv, dv // bv), bv, body)
+
+
 def tree_commit(
     initial_state: jax.Array,
     k: jax.Array,
@@ -107,41 +157,14 @@ def tree_commit(
     ``[B, N, Hv, V]``, ``g_path`` f32 ``[B, N, Hv]``, ``path`` int ``[B, D]``, ``path_len [B]``.
     ``initial_state`` (f32) is aliased to the result: donate it to update in place.
     """
-    b, n, hk, dk = k.shape
-    hv, dv = u.shape[2], u.shape[3]
-    if n > MAX_NODES:
-        raise ValueError(
-            f"N: the Pallas tree_commit kernel supports at most {MAX_NODES} nodes, got {n}"
-        )
-    check_pow2_dim("K", dk)
-    check_pow2_dim("V", dv)
-    check_float("k", k)
-    bv = min(blocks.block_v, dv)
-    npad = next_pow2(n, 16)
-    k, u, g_path = (pad_axis(x, 1, npad) for x in (k, u, g_path))
-    dpad = next_pow2(path.shape[1], 16)
-    valid = jnp.arange(path.shape[1])[None, :] < path_len[:, None]
-    path = pad_axis(jnp.where(valid, path, -1).astype(jnp.int32), 1, dpad, value=-1)
-    grp = hv // hk
-
-    kernel = functools.partial(
-        _kernel,
-        use_l2norm=use_qk_l2norm,
-        precision=dot_precision(blocks.precision, interpret),
-        interpret=interpret,
-        gather=getattr(blocks, "gather", False),
-    )
-    s_spec = pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j))
+    t = prepare_commit_launch(
+        k, u, g_path, path, path_len, blocks, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    b, hv, dk, dv = t.grid[0], t.grid[1], k.shape[3], u.shape[3]
+    s_spec = pl.BlockSpec((None, None, dk, t.bv), lambda i, h, j: (i, h, 0, j))
     return pl.pallas_call(
-        kernel,
-        grid=(b, hv, dv // bv),
-        in_specs=[
-            s_spec,
-            pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // grp, 0)),
-            pl.BlockSpec((None, npad, None, bv), lambda i, h, j: (i, 0, h, j)),
-            pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h)),
-            pl.BlockSpec((None, dpad), lambda i, h, j: (i, 0)),
-        ],
+        t.body,
+        grid=t.grid,
+        in_specs=[s_spec, *t.in_specs],
         out_specs=s_spec,
         out_shape=jax.ShapeDtypeStruct((b, hv, dk, dv), F32),
         input_output_aliases={0: 0},
@@ -150,4 +173,4 @@ def tree_commit(
         ),
         interpret=interpret,
         name="gdn_tree_commit",
-    )(initial_state.astype(F32), k, u, g_path, path)
+    )(initial_state.astype(F32), *t.args)

@@ -47,11 +47,10 @@ from pallas_kernels._wy import (
     wy_block,
 )
 
+# The refine kernel builds and runs on the H200 up to MAX_NODES (64 KiB of shared memory at
+# N = 64); the x3 kernel's 128-node tile asks for 320 KiB (the limit is 227 KiB per block), so
+# on GPU it stops at GPU_MAX_NODES_X3. Interpret mode has no such limit.
 MAX_NODES = 128
-# GPU limits per mode: the refine kernel builds and runs on the H200 at N = 128 (64 KiB of shared
-# memory at N = 64); the x3 kernel's 128-node tile asks for 320 KiB (the limit is 227 KiB per
-# block). Interpret mode has no such limit.
-GPU_MAX_NODES = 128
 GPU_MAX_NODES_X3 = 64
 BF16 = jnp.bfloat16
 # Diagnostic cut points of the refine kernel ("" = the whole kernel).
@@ -115,19 +114,6 @@ def _one_pass(name: str, interpret: bool):
     # CPU has no tf32 and no bf16-algorithm dots: interpret mode runs plain dots (the f32
     # operands then multiply exactly, which the tests allow for).
     return None if interpret else ONE_PASS[name]
-
-
-def _closure_bf16(parents: jax.Array) -> jax.Array:
-    """Inclusive ancestor mask from parent ids by repeated squaring in exact bf16 dots."""
-    n = parents.shape[0]
-    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    reach = ((parents[:, None] == col) | (row == col)).astype(BF16)
-    for _ in range(max(n - 1, 1).bit_length()):
-        prod = jax.lax.dot_general(
-            reach, reach, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-        reach = jnp.minimum(prod, 1.0).astype(BF16)
-    return reach > 0.5
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
@@ -224,7 +210,7 @@ def _refine_kernel(
     if blocks.ancestors_input:
         incl = anc_ref[...] != 0
     else:
-        incl = _closure_bf16(anc_ref[...])
+        incl = ancestor_closure(anc_ref[...])
     n = incl.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
@@ -289,6 +275,23 @@ def _x3_kernel(
     gp_ref[...] = g_path
 
 
+def verify_specs(t, v: jax.Array):
+    """Block specs of ``q, k, v, g, beta`` (inputs) and ``o, u, g_path`` (outputs) with their
+    shapes, on the (row, value head, column block) grid of a :class:`TreeLaunch` ``t``; ``v`` is
+    the padded values (its dtype is the output's)."""
+    b, npad, hv, dv = v.shape
+    dk = t.k.shape[3]
+    qk = pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // t.grp, 0))
+    vo = pl.BlockSpec((None, npad, None, t.bv), lambda i, h, j: (i, 0, h, j))
+    gb = pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h))
+    out_shape = [
+        jax.ShapeDtypeStruct((b, npad, hv, dv), v.dtype),
+        jax.ShapeDtypeStruct((b, npad, hv, dv), F32),
+        jax.ShapeDtypeStruct((b, npad, hv), F32),
+    ]
+    return [qk, qk, vo, gb, gb], [vo, vo, gb], out_shape
+
+
 def tree_verify(
     q: jax.Array,
     k: jax.Array,
@@ -325,7 +328,7 @@ def tree_verify(
         )
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
     q, k, v, g, beta, parents = t[:6]
-    npad, bv, grp, scale = t.npad, t.bv, t.grp, t.scale
+    npad, bv, scale = t.npad, t.bv, t.scale
 
     body = _refine_kernel if blocks.mode == "refine" else _x3_kernel
     kernel = functools.partial(
@@ -337,27 +340,17 @@ def tree_verify(
     else:
         tree = parents
         tree_spec = pl.BlockSpec((None, npad), lambda i, h, j: (i, 0))
-    qk_spec = pl.BlockSpec((None, npad, None, dk), lambda i, h, j: (i, 0, h // grp, 0))
-    vo_spec = pl.BlockSpec((None, npad, None, bv), lambda i, h, j: (i, 0, h, j))
-    gb_spec = pl.BlockSpec((None, npad, None), lambda i, h, j: (i, 0, h))
+    in_specs, out_specs, out_shape = verify_specs(t, v)
     o, u, g_path = pl.pallas_call(
         kernel,
         grid=(b, hv, dv // bv),
         in_specs=[
-            qk_spec,
-            qk_spec,
-            vo_spec,
-            gb_spec,
-            gb_spec,
+            *in_specs,
             tree_spec,
             pl.BlockSpec((None, None, dk, bv), lambda i, h, j: (i, h, 0, j)),
         ],
-        out_specs=[vo_spec, vo_spec, gb_spec],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, npad, hv, dv), v.dtype),
-            jax.ShapeDtypeStruct((b, npad, hv, dv), F32),
-            jax.ShapeDtypeStruct((b, npad, hv), F32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(
             num_warps=blocks.num_warps, num_stages=blocks.num_stages
         ),
