@@ -12,6 +12,7 @@ from pallas_kernels.tree_verify import (
     GPU_MAX_NODES_X3,
     MAX_NODES,
     VerifyBlocks,
+    ancestor_mask,
     tree_verify,
 )
 
@@ -23,6 +24,7 @@ __all__ = [
     "CommitBlocks",
     "SnapshotBlocks",
     "VerifyBlocks",
+    "ancestor_mask",
     "chunk_gated_delta_rule",
     "snapshot_verify",
     "tree_commit",

@@ -304,10 +304,16 @@ def tree_verify(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     blocks: VerifyBlocks = DEFAULT_VERIFY_BLOCKS,
+    ancestors: jax.Array | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tree WY verify. ``q, k [B, N, Hk, K]``, ``v [B, N, Hv, V]``, ``g, beta [B, N, Hv]``,
     ``parents`` int ``[B, N]``, ``initial_state [B, Hv, K, V]``.
+
+    With ``blocks.ancestors_input`` the kernel loads the inclusive ancestor mask instead of
+    squaring the parent matrix itself: pass it as ``ancestors`` (bool or int ``[B, N, N]``,
+    :func:`ancestor_mask` of ``parents``; one computation serves every layer of a model step),
+    else it is computed here per call. ``ancestors`` is trusted to match ``parents``.
 
     Returns ``(o [B, N, Hv, V] in v's dtype, u f32 [B, N, Hv, V], g_path f32 [B, N, Hv])``.
     ``N`` is padded to a power of two >= 16 (padding nodes have parent -2 and zero inputs).
@@ -333,9 +339,19 @@ def tree_verify(
     body = _refine_kernel if blocks.mode == "refine" else _x3_kernel
     kernel = functools.partial(
         body, scale=scale, use_l2norm=use_qk_l2norm, blocks=blocks, interpret=interpret)
+    if ancestors is not None and not blocks.ancestors_input:
+        raise ValueError("ancestors: only used with blocks.ancestors_input=True")
     if blocks.ancestors_input:
-        # One XLA computation per call (under jit, CSE shares it between the layers of a step).
-        tree = ancestor_mask(parents).astype(jnp.int8)
+        if ancestors is None:
+            # One XLA computation per call (under jit, CSE shares it between identical calls).
+            tree = ancestor_mask(parents).astype(jnp.int8)
+        else:
+            if ancestors.shape != (b, n, n):
+                raise ValueError(f"ancestors: shape {(b, n, n)} expected, got {ancestors.shape}")
+            tree = (ancestors != 0).astype(jnp.int8)
+            if npad != n:  # padding nodes are their own only ancestor
+                tree = jnp.pad(tree, ((0, 0), (0, npad - n), (0, npad - n)))
+                tree = tree | (jnp.eye(npad, dtype=jnp.int8) * (jnp.arange(npad) >= n))
         tree_spec = pl.BlockSpec((None, npad, npad), lambda i, h, j: (i, 0, 0))
     else:
         tree = parents

@@ -90,6 +90,23 @@ def test_tree_verify_variants(blocks, dtype):
     _check_verify(FIXED_TREE, 1, 2, 16, 32, dtype, True, blocks=blocks)
 
 
+def test_tree_verify_precomputed_ancestors():
+    """A precomputed ancestor mask (padded here from N 10 to 16) gives the same bits as the
+    kernel's own; misuse raises ValueError."""
+    q, k, v, g, beta, s0 = _inputs(FIXED_TREE, 1, 2, 16, 16, np.float32, seed=3)
+    par = jnp.asarray(FIXED_TREE)
+    bl = pk.VerifyBlocks(ancestors_input=True)
+    run = lambda **kw: pk.tree_verify(q, k, v, g, beta, par, s0, use_qk_l2norm=True,
+                                      interpret=True, **kw)  # fmt: skip
+    mask = pk.ancestor_mask(par)
+    for got, want in zip(run(blocks=bl, ancestors=mask), run(blocks=bl), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="ancestors"):
+        run(blocks=bl, ancestors=mask[:, :5])
+    with pytest.raises(ValueError, match="ancestors"):
+        run(ancestors=mask)
+
+
 def test_tree_verify_depth_loop_deep_chain():
     """A 40-node chain needs all six doublings of the depth-adaptive inverse."""
     parents = (np.arange(40, dtype=np.int32) - 1)[None]
