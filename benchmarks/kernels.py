@@ -325,6 +325,67 @@ def bench_commit(args, bw, mm, rows):
                 print_row(row)
 
 
+def bench_arena(args, bw, mm, rows):
+    """Verify and commit with the f32 states inside ``uint32`` arenas, read (and written)
+    through a handle table by ``pallas_kernels.arena``, against the dense kernels on the same
+    inputs and timing (issue 5: what the arena's indirection and bitcast cost the kernels).
+    Each input set has its own arena of ``B`` segments, one state per segment, placed by a
+    random permutation of the handles."""
+    from pallas_kernels import arena as pa
+
+    vb = parse_blocks(args.verify_blocks, pk.VerifyBlocks)[0]
+    vb = dataclasses.replace(vb, ancestors_input=False)
+    cb = parse_blocks(args.commit_blocks, pk.CommitBlocks)[0]
+    for hv, b, n in args.configs:
+        r = n_sets(verify_bytes(b, n, hv))
+        row = dict(op="arena", Hv=hv, B=b, N=n, R=r)
+        sets = [tree_inputs(s, b, n, hv, chain=False) for s in range(r)]
+        rng = np.random.default_rng(b * n + hv)
+        perm = rng.permutation(b).astype(np.int32)  # handle h lives in segment perm[h]
+        table = jnp.asarray(np.stack([perm, np.zeros(b, np.int32)], 1))
+        handles = jnp.asarray(rng.permutation(b).astype(np.int32))  # row -> handle
+
+        def arena_of(s0):
+            seg_of_row = perm[np.asarray(handles)]
+            a = jnp.zeros((b, hv * K * V), jnp.uint32)
+            return a.at[seg_of_row].set(jax.lax.bitcast_convert_type(s0, jnp.uint32).reshape(b, -1))
+
+        asets = [(*x[:6], arena_of(x[6])) for x in sets]
+        o_d, u_d, _ = jax.jit(functools.partial(pallas_verify, bl=vb))(*sets[0])
+        o_a, u_a, gp_a = jax.jit(lambda *a: pa.tree_verify(
+            *a, table, handles, state_offset=0, use_qk_l2norm=True, blocks=vb,
+            interpret=args.dry_run))(*asets[0])  # fmt: skip
+        row["verify_rel_diff"] = max(rel(o_a, o_d), rel(u_a, u_d))
+        attempt(row, "verify_dense_us", lambda: 1e6 * timed_fused(
+            functools.partial(pallas_verify, bl=vb), sets, args.reps))  # fmt: skip
+        attempt(row, "verify_arena_us", lambda: 1e6 * timed_fused(
+            lambda *a: pa.tree_verify(*a, table, handles, state_offset=0, use_qk_l2norm=True,
+                                      blocks=vb, interpret=args.dry_run),
+            asets, args.reps))  # fmt: skip
+        x = sets[0]
+        path, plen = (jnp.asarray(a) for a in deepest_path(np.asarray(x[5])))
+        kx = x[1]
+        dense_commit = lambda s: pk.tree_commit(
+            s, kx, u_d, gp_a, path, plen, use_qk_l2norm=True, blocks=cb)  # fmt: skip
+        arena_commit = lambda a: pa.tree_commit(
+            a, table, handles, kx, u_d, gp_a, path, plen, state_offset=0, use_qk_l2norm=True,
+            blocks=cb, interpret=args.dry_run)  # fmt: skip
+        got = jax.jit(arena_commit)(asets[0][6])
+        want = jax.jit(dense_commit)(sets[0][6])
+        seg_of_row = perm[np.asarray(handles)]
+        got = jax.lax.bitcast_convert_type(got[seg_of_row].reshape(b, hv, K, V), F32)
+        row["commit_rel_diff"] = rel(got, want)
+        attempt(row, "commit_dense_us", lambda: 1e6 * timed_fused(
+            dense_commit, [x[6] + 0.0 for x in sets], args.reps, donate=True))  # fmt: skip
+        attempt(row, "commit_arena_us", lambda: 1e6 * timed_fused(
+            arena_commit, [a[6] + 0 for a in asets], args.reps, donate=True))  # fmt: skip
+        for op in ("verify", "commit"):
+            if f"{op}_dense_us" in row and f"{op}_arena_us" in row:
+                row[f"{op}_arena_over_dense"] = row[f"{op}_arena_us"] / row[f"{op}_dense_us"]
+        rows.append(row)
+        print_row(row)
+
+
 def _copy_kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 1.0
 
@@ -511,7 +572,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument(
         "--ops", default="verify,commit,chunk",
-        help="comma list of verify, commit, chunk, overhead (a trivial Pallas copy vs XLA)",
+        help="comma list of verify, commit, arena, chunk, overhead (a trivial Pallas copy vs XLA)",
     )  # fmt: skip
     p.add_argument(
         "--verify-blocks", action="append", default=[],
@@ -581,6 +642,7 @@ def main(argv=None):
     ops = args.ops.split(",")
     _AFTER_ROW.append(lambda: dump(args, dev, bw, mm, rows))
     benches = (("overhead", bench_overhead), ("verify", bench_verify), ("commit", bench_commit),
+               ("arena", bench_arena),
                ("chunk", bench_chunk))  # fmt: skip
     for name, bench in benches:
         if name in ops:
@@ -629,6 +691,12 @@ def main(argv=None):
                 print(f"- commit variant {i}: {spec}")
             cols = [f"pallas{i}_us" for i in range(nc)] + [f"rel_err{i}" for i in range(1, nc)]
             print(table(cr, ["Hv", "B", "N", *cols]))
+    ar = [r for r in rows if r["op"] == "arena"]
+    if ar:
+        print("\n## states in the arena (pallas_kernels.arena) vs dense (us per layer)\n")
+        print(table(ar, ["Hv", "B", "N", "verify_dense_us", "verify_arena_us",
+                         "verify_arena_over_dense", "commit_dense_us", "commit_arena_us",
+                         "commit_arena_over_dense", "verify_rel_diff", "commit_rel_diff"]))  # fmt: skip
     pr = [r for r in rows if r["op"] == "chunk"]
     if pr:
         print("\n## chunk prefill (us per layer)\n")

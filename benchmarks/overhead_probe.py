@@ -63,6 +63,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--verify-blocks", action="append", default=None,
                    help="VerifyBlocks spec, repeatable ('' = defaults)")  # fmt: skip
+    p.add_argument("--ops", default="",
+                   help="comma list of op names to run (default all: pallas[spec]..., xla, "
+                        "pallas_copy, xla_copy, pallas_tiny, xla_tiny)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     rs = [int(r) for r in args.rs.split(",")]
@@ -83,7 +86,10 @@ def main(argv=None):
         ops["xla_copy"] = lambda *a: a[6] * 1.0001
         ops["pallas_tiny"] = lambda *a: pallas_tiny(a[6])
         ops["xla_tiny"] = lambda *a: a[6][0, 0, :8] * 1.0001
+        keep = set(filter(None, args.ops.split(",")))
         for name, fn in ops.items():
+            if keep and name not in keep:
+                continue
             try:
                 ts = [program_time(fn, sets[:r], args.reps) for r in rs]
             except Exception as e:  # keep the other ops of the run

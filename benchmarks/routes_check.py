@@ -68,11 +68,13 @@ def main(argv=None) -> list[dict]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--nodes", default="16,64,128", help="tree sizes to check (default 16,64,128)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
+    batch = {16: 2, 64: 4, 128: 2}
     rows = [
-        case(b, n, dt, rng)
-        for b, n in ((2, 16), (4, 64), (2, 128))
+        case(batch.get(n, 2), n, dt, rng)
+        for n in (int(x) for x in args.nodes.split(","))
         for dt in (jnp.bfloat16, jnp.float32)
     ]
     bad = False

@@ -16,6 +16,7 @@ import numpy as np
 from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
 from serving.engine import Engine, buckets_for, make_drafter
 from serving.memory import MemoryManager, layout_for
+from serving.memory.model_cache import KERNEL_CHOICES
 from serving.params import SamplingParams, SpecConfig
 from serving.runner import ArenaRunner, ModelRunner, MTPRunner
 from serving.scheduler import Request, Scheduler
@@ -93,6 +94,10 @@ class LLM:
         manager's arena, read and written through the requests' handles (KV pages and state
         slots exist once). ``"pools"``: the engine's own per-layer pools, the manager only
         accounting (the cache is then held twice; kept as a reference for tests).
+      kernels: how the arena cache's tree verify and commit run (``cache="arena"`` only):
+        ``"auto"`` (default: the Pallas kernels reading the arena in place on GPU, XLA
+        elsewhere), ``"pallas"`` (the kernels everywhere, interpret mode off GPU) or
+        ``"xla"``; see :class:`serving.runner.ArenaRunner`.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class LLM:
         dtype: str = "bfloat16",
         seed: int = 0,
         cache: str = "arena",
+        kernels: str = "auto",
     ):
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -124,6 +130,10 @@ class LLM:
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
         if cache not in ("arena", "pools"):
             raise ValueError(f"cache must be 'arena' or 'pools', got {cache!r}")
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+        if kernels == "pallas" and cache != "arena":
+            raise ValueError("kernels='pallas' needs cache='arena' (the kernels read the arena)")
         if speculative is not None and not isinstance(speculative, SpecConfig):
             raise ValueError(f"speculative must be a SpecConfig or None, got {speculative!r}")
         if batch_buckets is None:
@@ -164,7 +174,7 @@ class LLM:
         pages_per_seq = -(-max_model_len // page_size)
         num_pages = max_num_seqs * pages_per_seq
         if cache == "arena":
-            self.runner = ArenaRunner(self.model, self.manager)
+            self.runner = ArenaRunner(self.model, self.manager, kernels=kernels)
         else:
             self.runner = ModelRunner(
                 self.model,

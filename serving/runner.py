@@ -32,7 +32,13 @@ from gdn_jax.models import steps
 from gdn_jax.models.cache import ModelCache, init_cache
 from gdn_jax.models.model import HybridLM
 from serving.memory import MemoryManager
-from serving.memory.model_cache import ArenaCache, ArenaSpec
+from serving.memory.model_cache import (
+    XLA_KERNELS,
+    ArenaCache,
+    ArenaKernels,
+    ArenaSpec,
+    select_kernels,
+)
 
 
 def _rows(pool: ModelCache, slots, page_table, lengths, *, fresh: bool = False) -> ModelCache:
@@ -166,9 +172,42 @@ class ModelRunner:
 
 
 @functools.cache
-def _arena_programs(graphdef, spec: ArenaSpec):
+def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS):
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
-    decode, commit); ``verify`` only reads it."""
+    decode, commit); ``verify`` only reads it. ``kernels`` picks XLA or the in-place Pallas
+    kernels for verify and commit; prefill and decode always run on XLA, so they are shared by
+    every ``kernels`` choice (:func:`_arena_sequence_programs`)."""
+
+    def cache_of(buf, table, handles, pages, lengths):
+        return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
+
+    def verify(state, buf, table, handles, pages, lengths, tokens, parents, *, snapshot):
+        m = nnx.merge(graphdef, state)
+        logits, tree, hidden = steps.verify_tree(
+            m,
+            tokens,
+            parents,
+            cache_of(buf, table, handles, pages, lengths),
+            return_hidden=True,
+            snapshot=snapshot,
+        )
+        logits = logits.astype(jnp.float32)
+        return logits, jnp.argmax(logits, -1), hidden, tree
+
+    def commit(buf, table, handles, pages, lengths, tree, path, path_len):
+        cache = cache_of(buf, table, handles, pages, lengths)
+        return steps.commit(cache, tree, path, path_len).buffer
+
+    return (
+        *_arena_sequence_programs(graphdef, spec),
+        jax.jit(verify, static_argnames="snapshot"),
+        jax.jit(commit, donate_argnums=0),
+    )
+
+
+@functools.cache
+def _arena_sequence_programs(graphdef, spec: ArenaSpec):
+    """Prefill and decode over the arena (XLA windows; ``buf`` donated and returned)."""
 
     def cache_of(buf, table, handles, pages, lengths):
         return ArenaCache(buf, table, handles, pages, lengths, spec)
@@ -197,29 +236,7 @@ def _arena_programs(graphdef, spec: ArenaSpec):
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, cache.buffer
 
-    def verify(state, buf, table, handles, pages, lengths, tokens, parents, *, snapshot):
-        m = nnx.merge(graphdef, state)
-        logits, tree, hidden = steps.verify_tree(
-            m,
-            tokens,
-            parents,
-            cache_of(buf, table, handles, pages, lengths),
-            return_hidden=True,
-            snapshot=snapshot,
-        )
-        logits = logits.astype(jnp.float32)
-        return logits, jnp.argmax(logits, -1), hidden, tree
-
-    def commit(buf, table, handles, pages, lengths, tree, path, path_len):
-        cache = cache_of(buf, table, handles, pages, lengths)
-        return steps.commit(cache, tree, path, path_len).buffer
-
-    return (
-        jax.jit(prefill, donate_argnums=1),
-        jax.jit(decode, donate_argnums=1),
-        jax.jit(verify, static_argnames="snapshot"),
-        jax.jit(commit, donate_argnums=0),
-    )
+    return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1)
 
 
 class ArenaRunner:
@@ -230,9 +247,30 @@ class ArenaRunner:
     unmapped). The manager must use ``layout_for(model config, page_size)`` (checked). The
     device handle table is re-uploaded only when the manager's layout changed since the last
     step (``table_uploads`` counts the uploads).
+
+    ``kernels``: how :meth:`verify` and :meth:`commit` touch the arena
+    (:func:`serving.memory.model_cache.select_kernels`):
+
+    - ``"xla"``: XLA windows (gathers of each GDN layer's state window and of each attention
+      layer's pages; scatters of the committed states);
+    - ``"pallas"``: the Pallas kernels read the arena in place through the handle table: the
+      GDN tree verify (:func:`pallas_kernels.arena.tree_verify`), the tree attention over the
+      KV pages (:func:`pallas_kernels.arena_attention.tree_attention`) and the GDN commit
+      (:func:`pallas_kernels.arena.tree_commit`, the arena aliased, so in place); in interpret
+      mode off GPU. A geometry the kernels do not take (``page_size`` / ``head_dim`` not a
+      power of two >= 16, GDN head dims not a power of two in [16, 256], a non-f32 recurrent
+      state) raises ``ValueError`` here, a tree of more than ``pallas_kernels.MAX_NODES``
+      nodes when verified;
+    - ``"auto"`` (default): ``"pallas"`` on a GPU backend for the parts whose geometry fits
+      (and trees of at most 64 nodes), XLA otherwise; ``kernel_notes`` says why a part stayed
+      on XLA.
+
+    Not wired to the kernels on any setting: :meth:`prefill` and :meth:`decode` (chunked /
+    recurrent GDN and causal attention over XLA windows), the snapshot verify method, the conv
+    state (a small ``(W-1) x C`` window per layer) and the accepted nodes' K/V writes.
     """
 
-    def __init__(self, model: HybridLM, manager: MemoryManager):
+    def __init__(self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto"):
         self.kind = "arena"
         self.model = model
         self.config = model.config
@@ -240,9 +278,11 @@ class ArenaRunner:
         self.spec = ArenaSpec.from_layout(
             manager.layout, model.embed_tokens[...].dtype, config=model.config
         )
+        self.kernel_choice, self.kernel_notes = select_kernels(kernels, self.spec, model.config)
+        self.kernels = self.kernel_choice.name  # "xla" or "pallas", as resolved
         graphdef, self._state = nnx.split(model)
         self._prefill, self._decode, self._verify, self._commit = _arena_programs(
-            graphdef, self.spec
+            graphdef, self.spec, self.kernel_choice
         )
         self._table = None
         self.table_uploads = 0

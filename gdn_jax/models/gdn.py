@@ -116,15 +116,25 @@ class GatedDeltaNet(nnx.Module):
         ssm_state: jax.Array,
         *,
         snapshot: bool = False,
+        rule=None,
     ) -> tuple[jax.Array, TreeCache | jax.Array, jax.Array]:
         """Every draft node ``x [B, N, H]`` over its own path (conv by the tree conv, the rule by
         ``tree_verify``). Returns ``(y, TreeCache, qkv pre-conv [B, N, C])`` for the commit.
 
         ``snapshot=True`` is the vLLM/SGLang baseline: the rule by ``snapshot_tree_verify``, and
-        the per-node states ``[B, N, Hv, K, V]`` in place of the ``TreeCache``."""
+        the per-node states ``[B, N, Hv, K, V]`` in place of the ``TreeCache``.
+
+        ``rule``: a tree-verify rule that finds the initial state itself (``rule(q, k, v, g,
+        beta, parents, *, use_qk_l2norm) -> (o, TreeCache)``, e.g. a kernel reading it in place
+        from the serving arena); ``ssm_state`` is then unused (``None``)."""
         qkv, z, g, beta = self.project(x)
         mixed = tree_causal_conv1d(qkv, parents, conv_state, self.conv_weight[...])
         q, k, v = self.split(mixed)
+        if rule is not None:
+            if snapshot:
+                raise ValueError("rule: the snapshot method keeps per-node states; no rule")
+            o, cache = rule(q, k, v, g, beta, parents, use_qk_l2norm=True)
+            return self.finish(o, z), cache, qkv
         verify = snapshot_tree_verify if snapshot else tree_verify
         o, cache = verify(q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True)
         return self.finish(o, z), cache, qkv

@@ -10,6 +10,13 @@
 - :func:`commit`: the accepted chain ``path[:path_len]``: GDN by ``tree_commit``, conv by
   ``tree_conv_commit``, the accepted nodes' K/V written at ``L .. L+m-1``, ``L += m``.
 
+A storage may also read the GDN recurrent states in place (the serving arena with its Pallas
+kernels): ``verify_tree`` asks ``cache.gdn_tree_rule(gi, N)`` for a tree-verify rule that
+reads layer ``gi``'s state itself (then only ``cache.gdn_conv_state(gi)`` is read), and
+``commit`` asks ``cache.commit_gdn_state(gi, tree_cache, path, path_len)`` to commit it in
+place (then the conv state goes through ``gdn_conv_state`` / ``with_gdn_conv_state``). Either
+returns ``None`` to take the default path; a storage without them always does.
+
 Each takes the model first; jit them with ``nnx.jit`` (or split the model and close over the
 graph). They touch the cache only through its methods (``lengths``, ``gdn_state``,
 ``with_gdn_state``, ``write_kv``, ``attention``, ``with_lengths``): a :class:`ModelCache` of
@@ -139,8 +146,16 @@ def verify_tree(
     for layer in model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == LINEAR:
-            conv, ssm = cache.gdn_state(gi)
-            mixed, tc, qkv = layer.linear_attn.tree(h, parents, conv, ssm, snapshot=snapshot)
+            rule = None
+            if not snapshot and hasattr(cache, "gdn_tree_rule"):
+                rule = cache.gdn_tree_rule(gi, n)
+            if rule is None:
+                conv, ssm = cache.gdn_state(gi)
+            else:  # the rule reads the recurrent state in place
+                conv, ssm = cache.gdn_conv_state(gi), None
+            mixed, tc, qkv = layer.linear_attn.tree(
+                h, parents, conv, ssm, snapshot=snapshot, rule=rule
+            )
             gdn.append(tc)
             conv_in.append(qkv)
             gi += 1
@@ -184,6 +199,13 @@ def commit(
     path_len = jnp.asarray(path_len, jnp.int32)
     d = path.shape[1]
     for gi, tc in enumerate(tree.gdn):
+        if isinstance(tc, TreeCache) and hasattr(cache, "commit_gdn_state"):
+            committed = cache.commit_gdn_state(gi, tc, path, path_len)
+            if committed is not None:  # the recurrent state committed in place
+                conv = committed.gdn_conv_state(gi)
+                new_conv = tree_conv_commit(tree.conv_in[gi], conv, path, path_len)
+                cache = committed.with_gdn_conv_state(gi, new_conv)
+                continue
         conv, ssm = cache.gdn_state(gi)
         if isinstance(tc, TreeCache):
             new_state = tree_commit(ssm, tc, path, path_len)

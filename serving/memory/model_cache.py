@@ -23,10 +23,20 @@ holds whatever was there before) read zero states; writes of padding rows and un
 go to segment ``num_segments``, which the scatter drops. KV positions at or past the row's
 length are zeroed before attention (a recycled page can hold any bits, NaN patterns included).
 
-What this path does not do: the XLA attention read is a gather of the row's pages into a
-``[B, pages * S, Hkv, D]`` temporary per layer (as ``gather_pages`` was on the pooled path);
-only a paged-attention kernel that takes the table could read the pages in place. The GDN
-state reads are per-layer windows of the unit (no copy of the whole state).
+What the XLA path does not do: its attention read is a gather of the row's pages into a
+``[B, pages * S, Hkv, D]`` temporary per layer (as ``gather_pages`` was on the pooled path),
+and its GDN verify / commit gather each layer's state window (no copy of the whole state).
+
+Kernels (:class:`ArenaKernels`, chosen by :func:`select_kernels`; ``ArenaRunner(kernels=)``):
+with the Pallas kernels the tree verify reads the GDN recurrent states in place through the
+table (:func:`pallas_kernels.arena.tree_verify`), its attention layers read the KV pages in
+place (:func:`pallas_kernels.arena_attention.tree_attention`), and the commit updates the
+recurrent states in place (:func:`pallas_kernels.arena.tree_commit`, the arena aliased). Still
+XLA windows on that path: the conv state (``(W-1)*C`` elements per layer), the accepted
+nodes' K/V writes, and prefill / decode (chunked or recurrent GDN, causal attention over the
+gathered pages) and the snapshot verify method. Rows at length 0 read zero states on both
+paths; a commit of a length-0 row (which the engine never issues: it verifies only prefilled
+requests) leaves that row's recurrent state unwritten on the kernel path.
 """
 
 from __future__ import annotations
@@ -38,10 +48,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gdn_jax import TreeCache
 from gdn_jax.models.tree_attention import attend
 from serving.memory.layout import WORD_BYTES
 
 _MODE = lax.GatherScatterMode.FILL_OR_DROP
+KERNEL_CHOICES = ("xla", "pallas", "auto")
+# As gdn_jax.pallas_routes.AUTO_MAX_NODES: "auto" takes the tree kernels up to 64 nodes (where
+# the dense kernels were measured faster than XLA on the H200); an explicit "pallas" up to
+# pallas_kernels.MAX_NODES (128).
+AUTO_MAX_NODES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +157,122 @@ class ArenaSpec:
         return _words((self.kv_heads, self.head_dim), self.kv_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class ArenaKernels:
+    """Static choice of how the arena path's tree verify and commit run (:func:`select_kernels`).
+
+    - ``gdn``: GDN tree verify and commit by :mod:`pallas_kernels.arena` (the recurrent states
+      read, and committed, in place through the table) instead of XLA state windows;
+    - ``attention``: the tree verify's attention by :mod:`pallas_kernels.arena_attention` (the
+      KV pages read in place) instead of XLA's page gather;
+    - ``interpret``: run them in Pallas interpret mode (any non-GPU backend);
+    - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
+      ``ValueError`` when ``strict`` (``kernels="pallas"`` asked for explicitly).
+    """
+
+    gdn: bool = False
+    attention: bool = False
+    interpret: bool = False
+    max_nodes: int = 0
+    strict: bool = False
+
+    @property
+    def name(self) -> str:
+        """``"pallas"`` when any step uses a kernel, else ``"xla"``."""
+        return "pallas" if self.gdn or self.attention else "xla"
+
+    def takes(self, n: int, what: str) -> bool:
+        """Whether a tree of ``n`` nodes goes to the kernels (static, at trace time)."""
+        if n <= self.max_nodes:
+            return True
+        if self.strict:
+            raise ValueError(
+                f"kernels='pallas': the arena {what} kernel takes trees of at most "
+                f"{self.max_nodes} nodes, got N={n}; use kernels='auto' or 'xla'"
+            )
+        return False
+
+
+XLA_KERNELS = ArenaKernels()
+
+
+def _pow2(x: int, lo: int = 16, hi: int | None = None) -> bool:
+    return x >= lo and x & (x - 1) == 0 and (hi is None or x <= hi)
+
+
+def _gdn_misfits(spec: ArenaSpec, config) -> list[str]:
+    """Why the arena GDN kernels cannot take this geometry (empty: they can)."""
+    out = []
+    hv, dk, dv = spec.state_shape
+    if jnp.dtype(spec.state_dtype) != jnp.float32:
+        out.append(f"the recurrent state is {spec.state_dtype}; the GDN kernels read float32")
+    for name, x in (("linear_key_head_dim", dk), ("linear_value_head_dim", dv)):
+        if not _pow2(x, 16, 256):
+            out.append(f"{name} {x} is not a power of two in [16, 256]")
+    if jnp.dtype(spec.model_dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        out.append(f"model dtype {spec.model_dtype} is not float32, bfloat16 or float16")
+    if config is not None and hv % config.linear_num_key_heads:
+        out.append(f"linear_num_value_heads {hv} is not a multiple of the key heads")
+    return out
+
+
+def _attention_misfits(spec: ArenaSpec, config) -> list[str]:
+    """Why the arena paged tree-attention kernel cannot take this geometry."""
+    out = []
+    if jnp.dtype(spec.kv_dtype) not in (jnp.float32, jnp.bfloat16):
+        out.append(f"the KV cache is {spec.kv_dtype}; the attention kernel reads f32 or bf16")
+    for name, x in (("page_size", spec.page_size), ("head_dim", spec.head_dim)):
+        if not _pow2(x):
+            out.append(f"{name} {x} is not a power of two >= 16")
+    if config is not None and config.num_attention_heads % spec.kv_heads:
+        out.append("num_attention_heads is not a multiple of num_key_value_heads")
+    return out
+
+
+def select_kernels(
+    kernels: str, spec: ArenaSpec, config=None, backend: str | None = None
+) -> tuple[ArenaKernels, tuple[str, ...]]:
+    """Resolves ``kernels`` (``"xla"`` | ``"pallas"`` | ``"auto"``) for the arena geometry
+    ``spec`` (and the model ``config``, when given) on ``backend`` (default: JAX's).
+
+    ``"auto"``: the kernels on a GPU backend where the geometry fits them (per part: GDN,
+    attention), XLA elsewhere; ``"pallas"``: the kernels everywhere (interpret mode off GPU),
+    a ``ValueError`` naming ``kernels`` when the geometry does not fit. Returns the choice and
+    the reasons for every part left on XLA."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "xla":
+        return XLA_KERNELS, ()
+    backend = backend or jax.default_backend()
+    if kernels == "auto" and backend != "gpu":
+        return XLA_KERNELS, (f"kernels='auto' on the {backend} backend: the arena Pallas "
+                             "kernels (Triton) are taken on GPU only",)  # fmt: skip
+    from pallas_kernels import MAX_NODES
+
+    interpret = backend != "gpu"
+    if interpret:
+        # The first interpret-mode call imports the Pallas fuser, which registers a jax config
+        # option that is part of every jit cache key: import it now, before the engine
+        # compiles anything, or each program compiled earlier would compile again after it.
+        from jax.experimental.pallas import fuser  # noqa: F401
+
+    gdn_bad = _gdn_misfits(spec, config) if spec.gdn_layers else []
+    attn_bad = _attention_misfits(spec, config) if spec.attn_layers else []
+    if kernels == "pallas" and (gdn_bad or attn_bad):
+        raise ValueError(f"kernels='pallas': {'; '.join(gdn_bad + attn_bad)}")
+    notes = tuple(f"GDN verify/commit on XLA: {r}" for r in gdn_bad) + tuple(
+        f"tree attention on XLA: {r}" for r in attn_bad
+    )
+    choice = ArenaKernels(
+        gdn=spec.gdn_layers > 0 and not gdn_bad,
+        attention=spec.attn_layers > 0 and not attn_bad,
+        interpret=interpret,
+        max_nodes=MAX_NODES if kernels == "pallas" else AUTO_MAX_NODES,
+        strict=kernels == "pallas",
+    )
+    return choice, notes
+
+
 def _words(shape, dtype) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize // WORD_BYTES
 
@@ -194,6 +326,7 @@ class ArenaCache:
     page_handles: jax.Array
     lengths: jax.Array
     spec: ArenaSpec
+    kernels: ArenaKernels = XLA_KERNELS
 
     @property
     def _oob(self) -> int:
@@ -207,38 +340,107 @@ class ArenaCache:
 
     # --------------------------------------------------------------------------------- GDN
 
-    def gdn_state(self, gi: int) -> tuple[jax.Array, jax.Array]:
-        """``(conv [B, W-1, C] model dtype, ssm [B, Hv, K, V] f32)`` of GDN layer ``gi``."""
-        sp = self.spec
+    def _state_lookup(self, fresh: bool) -> tuple[jax.Array, jax.Array]:
+        """``(segment, word)`` of each row's state unit; with ``fresh``, rows at length 0
+        (and padding) read out of range, i.e. zeros."""
         h = self.state_handles
-        seg, word = self._lookup(h, (h >= 0) & (self.lengths > 0))
-        ssm = gather_windows(
-            self.buffer, seg, word + sp.state_offset + gi * sp.state_words, sp.state_words
-        )
+        ok = (h >= 0) & (self.lengths > 0) if fresh else h >= 0
+        return self._lookup(h, ok)
+
+    def gdn_conv_state(self, gi: int) -> jax.Array:
+        """``conv [B, W-1, C]`` (model dtype) of GDN layer ``gi``."""
+        sp = self.spec
+        seg, word = self._state_lookup(fresh=True)
         conv = gather_windows(
             self.buffer, seg, word + sp.conv_offset + gi * sp.conv_words, sp.conv_words
         )
+        return _from_words(conv, sp.conv_shape, sp.conv_dtype).astype(sp.model_dtype)
+
+    def gdn_state(self, gi: int) -> tuple[jax.Array, jax.Array]:
+        """``(conv [B, W-1, C] model dtype, ssm [B, Hv, K, V] f32)`` of GDN layer ``gi``."""
+        sp = self.spec
+        seg, word = self._state_lookup(fresh=True)
+        ssm = gather_windows(
+            self.buffer, seg, word + sp.state_offset + gi * sp.state_words, sp.state_words
+        )
         ssm = _from_words(ssm, sp.state_shape, sp.state_dtype).astype(jnp.float32)
-        conv = _from_words(conv, sp.conv_shape, sp.conv_dtype).astype(sp.model_dtype)
-        return conv, ssm
+        return self.gdn_conv_state(gi), ssm
+
+    def with_gdn_conv_state(self, gi: int, conv: jax.Array) -> ArenaCache:
+        sp = self.spec
+        seg, word = self._state_lookup(fresh=False)
+        buf = scatter_windows(
+            self.buffer,
+            seg,
+            word + sp.conv_offset + gi * sp.conv_words,
+            _to_words(conv.astype(sp.conv_dtype), seg.shape[0]),
+        )
+        return dataclasses.replace(self, buffer=buf)
 
     def with_gdn_state(self, gi: int, conv: jax.Array, ssm: jax.Array) -> ArenaCache:
         sp = self.spec
-        h = self.state_handles
-        b = h.shape[0]
-        seg, word = self._lookup(h, h >= 0)
+        seg, word = self._state_lookup(fresh=False)
         buf = scatter_windows(
             self.buffer,
             seg,
             word + sp.state_offset + gi * sp.state_words,
-            _to_words(ssm.astype(sp.state_dtype), b),
+            _to_words(ssm.astype(sp.state_dtype), seg.shape[0]),
         )
-        buf = scatter_windows(
-            buf,
-            seg,
-            word + sp.conv_offset + gi * sp.conv_words,
-            _to_words(conv.astype(sp.conv_dtype), b),
-        )
+        return dataclasses.replace(self, buffer=buf).with_gdn_conv_state(gi, conv)
+
+    # ------------------------------------------------------------ in-place kernels (Pallas)
+
+    def _kernel_table(self) -> jax.Array:
+        """The table as the kernels get it: a padding row reads through ``table[0]``, which is
+        ``(-1, -1)`` while handle 0 is free, so clamp to an in-bounds (ignored) address."""
+        return jnp.maximum(self.table, 0)
+
+    def _kernel_handles(self) -> jax.Array:
+        """State handles for the GDN kernels: ``-1`` (a zero state, never written) for padding
+        rows and rows at length 0, as the XLA path reads them."""
+        h = self.state_handles
+        return jnp.where((h >= 0) & (self.lengths > 0), h, -1)
+
+    def gdn_tree_rule(self, gi: int, n: int):
+        """The tree-verify rule of GDN layer ``gi`` for ``n`` nodes reading its recurrent state
+        in place (:func:`pallas_kernels.arena.tree_verify`): ``rule(q, k, v, g, beta, parents,
+        *, use_qk_l2norm) -> (o, TreeCache)``; ``None`` on the XLA path (then
+        :meth:`gdn_state` gives the state)."""
+        kn = self.kernels
+        if not kn.gdn or not kn.takes(n, "GDN tree verify"):
+            return None
+        from pallas_kernels import VerifyBlocks
+        from pallas_kernels import arena as pa
+
+        sp = self.spec
+
+        def rule(q, k, v, g, beta, parents, *, use_qk_l2norm: bool):
+            low = q.dtype == k.dtype == v.dtype == jnp.bfloat16
+            blocks = VerifyBlocks(precision="bf16x3" if low and not kn.interpret else "tf32x3")
+            o, u, g_path = pa.tree_verify(
+                q, k, v, g, beta, parents, self.buffer, self._kernel_table(),
+                self._kernel_handles(), state_offset=sp.state_offset + gi * sp.state_words,
+                use_qk_l2norm=use_qk_l2norm, blocks=blocks, interpret=kn.interpret,
+            )  # fmt: skip
+            return o, TreeCache(u, k, g_path, parents.astype(jnp.int32), use_qk_l2norm)
+
+        return rule
+
+    def commit_gdn_state(self, gi: int, tc: TreeCache, path, path_len) -> ArenaCache | None:
+        """GDN layer ``gi``'s recurrent state after the accepted ``path``, committed in place
+        (:func:`pallas_kernels.arena.tree_commit`, the arena aliased); ``None`` on the XLA
+        path. The conv state is left to the caller."""
+        kn = self.kernels
+        if not kn.gdn or not kn.takes(tc.u.shape[1], "GDN tree commit"):
+            return None
+        from pallas_kernels import arena as pa
+
+        sp = self.spec
+        buf = pa.tree_commit(
+            self.buffer, self._kernel_table(), self._kernel_handles(), tc.k, tc.u, tc.g_path,
+            path, path_len, state_offset=sp.state_offset + gi * sp.state_words,
+            use_qk_l2norm=tc.qk_l2norm, interpret=kn.interpret,
+        )  # fmt: skip
         return dataclasses.replace(self, buffer=buf)
 
     # ---------------------------------------------------------------------------- attention
@@ -288,7 +490,21 @@ class ArenaCache:
     def attention(
         self, ai, q, kv_len, q_pos, *, scale, draft_k=None, draft_v=None, draft_mask=None
     ) -> jax.Array:
-        """Same as :func:`gdn_jax.models.tree_attention.paged_attention` over the arena."""
+        """Same as :func:`gdn_jax.models.tree_attention.paged_attention` over the arena.
+
+        With the attention kernel selected and draft K/V given (the tree verify, whose queries
+        all sit at or after the committed keys, so the causal bound is ``kv_len``), the pages
+        are read in place by :func:`pallas_kernels.arena_attention.tree_attention`."""
+        sp = self.spec
+        if draft_k is not None and self.kernels.attention:
+            from pallas_kernels.arena_attention import tree_attention
+
+            return tree_attention(
+                q, self.buffer, self._kernel_table(), self.page_handles, kv_len,
+                draft_k.astype(sp.kv_dtype), draft_v.astype(sp.kv_dtype), draft_mask, layer=ai,
+                kv_offset=sp.kv_offset, page_size=sp.page_size, kv_dtype=sp.kv_dtype,
+                scale=float(scale), interpret=self.kernels.interpret,
+            )  # fmt: skip
         k, v = self.committed_kv(ai, kv_len)
         j = jnp.arange(k.shape[1])
         mask = (j[None, None, :] < kv_len[:, None, None]) & (j[None, None, :] <= q_pos[:, :, None])
@@ -305,5 +521,5 @@ class ArenaCache:
 jax.tree_util.register_dataclass(
     ArenaCache,
     data_fields=["buffer", "table", "state_handles", "page_handles", "lengths"],
-    meta_fields=["spec"],
+    meta_fields=["spec", "kernels"],
 )

@@ -1,0 +1,192 @@
+"""The arena path's kernel choice (``ArenaRunner(kernels=)``, ``LLM(kernels=)``): tree verify and
+commit by the Pallas kernels that read the arena in place through the handle table (interpret
+mode on CPU) give the XLA path's logits, arena contents and greedy tokens, and their programs
+hold no gather / scatter of the GDN state windows or the KV pages.
+
+One geometry for the module (page_size 16: the attention kernel needs a power of two >= 16; the
+same arena size and batch bucket everywhere), so each program compiles once."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from serving import LLM, SamplingParams, SpecConfig
+from serving.memory.model_cache import select_kernels
+from serving.runner import ArenaRunner
+from tests.serving.conftest import ENGINE, VOCAB, prompts
+
+SPEC = SpecConfig(method="ngram", tree=(2, 2))  # N = 7 nodes, depth 2
+GEOM = dict(ENGINE, page_size=16, memory_budget=2 << 20)
+
+
+@pytest.fixture(scope="module")
+def llms(target):
+    return {k: LLM(target, speculative=SPEC, kernels=k, **GEOM) for k in ("xla", "pallas")}
+
+
+def _tree_batch(llm, seed=0):
+    """Two prefilled rows (lengths 21 and 9: partial pages) and two padding rows, a draft tree
+    with a padding node, and accepted paths of 3, 2, 0, 0 nodes."""
+    rng = np.random.default_rng(seed)
+    mm, runner = llm.manager, llm.runner
+    b, mp, n = 4, llm.scheduler.pages_per_seq, SPEC.num_nodes
+    handles = np.full(b, -1, np.int32)
+    pages = np.full((b, mp), -1, np.int32)
+    lens = np.array([21, 9, 0, 0], np.int32)
+    for i in range(2):
+        handles[i] = mm.alloc(("kern", seed, i), "state")[0]
+        pages[i, :2] = mm.alloc(("kern", seed, i), "kv", 2)
+    for start in (0, 16):  # prefill in chunks of 16 (the engine's program)
+        count = np.clip(lens - start, 0, 16).astype(np.int32)
+        tok = rng.integers(0, VOCAB, (b, 16)).astype(np.int32)
+        runner.prefill(handles, pages, np.minimum(lens, start).astype(np.int32), tok, count)
+    parents = np.tile(np.array([-1, 0, 0, 1, 2, 1, -2], np.int32), (b, 1))
+    tokens = rng.integers(0, VOCAB, (b, n)).astype(np.int32)
+    path = np.full((b, SPEC.max_depth + 1), -1, np.int32)
+    path[0], path[1, :2] = [0, 1, 3], [0, 2]
+    path_len = np.array([3, 2, 0, 0], np.int32)
+    return handles, pages, lens, tokens, parents, path, path_len
+
+
+def test_verify_commit_pallas_equals_xla(llms, target):
+    llm = llms["xla"]
+    mm = llm.manager
+    pallas = ArenaRunner(target, mm, kernels="pallas")  # a second runner on the same arena
+    assert (llm.runner.kernels, pallas.kernels) == ("xla", "pallas")
+    handles, pages, lens, tokens, parents, path, path_len = _tree_batch(llm)
+    base = np.asarray(mm.arena.buffer).copy()
+    out = {}
+    for name, runner in (("xla", llm.runner), ("pallas", pallas)):
+        mm.arena.buffer = jax.device_put(base, mm.arena.buffer.device)
+        logits, am, _, tree = runner.verify(handles, pages, lens, tokens, parents)
+        runner.commit(handles, pages, lens, tree, path, path_len)
+        out[name] = np.asarray(logits)[:2], np.asarray(am)[:2], np.asarray(mm.arena.buffer)
+    (lx, ax, bx), (lp, ap, bp) = out["xla"], out["pallas"]
+    np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4 * np.abs(lx).max())
+    np.testing.assert_array_equal(ap, ax)
+    # the rows' state and KV units: equal to f32 rounding (every field is f32 here; the kernels
+    # sum in another order, and later layers see those ulps); every other word: bit for bit
+    rows = [("kern", 0, 0), ("kern", 0, 1)]
+    other = np.ones(base.shape, bool)
+    for _, kind, rid, seg, word, words in mm.live():
+        if rid not in rows:
+            continue
+        span = slice(word, word + words)
+        other[seg, span] = False
+        x, p = bx[seg, span].view(np.float32), bp[seg, span].view(np.float32)
+        np.testing.assert_allclose(p, x, rtol=1e-5, atol=1e-5, err_msg=f"{kind} unit")
+        if kind == "state":
+            assert not np.array_equal(bx[seg, span], base[seg, span])  # the commit wrote it
+    np.testing.assert_array_equal(bp[other], bx[other])
+    mm.free(rows[0])
+    mm.free(rows[1])
+
+
+def test_greedy_tree_speculation_same_tokens(llms):
+    ps, params = prompts(3, seed=3), SamplingParams(max_tokens=12)
+    runner = llms["pallas"].runner
+    assert runner.kernels == "pallas"
+    verified = []
+    runner.verify = lambda *a, **k: verified.append(1) or type(runner).verify(runner, *a, **k)
+    try:
+        got = {k: [o.token_ids for o in llm.generate(ps, params)] for k, llm in llms.items()}
+    finally:
+        del runner.verify
+    assert got["pallas"] == got["xla"]
+    assert all(len(t) == 12 for t in got["xla"])
+    assert len(verified) >= 3  # the tokens came from tree speculation on the kernels
+    assert runner._verify._cache_size() == 1  # the same program as the test above: no recompile
+
+
+def _primitives(jaxpr, out):
+    """``(primitive name, eqn)`` of every equation, through nested jaxprs but not into a
+    ``pallas_call``'s kernel body."""
+    for eqn in jaxpr.eqns:
+        out.append((eqn.primitive.name, eqn))
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(sub, ClosedJaxpr):
+                    _primitives(sub.jaxpr, out)
+                elif isinstance(sub, Jaxpr):
+                    _primitives(sub, out)
+    return out
+
+
+def _programs(runner, args):
+    """The primitives of the runner's verify and commit programs on ``args``."""
+    handles, pages, lens, tokens, parents, path, path_len = args
+    buf, table = runner.manager.arena.buffer, runner.table()
+    verify = jax.make_jaxpr(lambda *a: runner._verify(*a, snapshot=False))(
+        runner._state, buf, table, handles, pages, lens, tokens, parents
+    )
+    tree = jax.eval_shape(
+        lambda *a: runner._verify(*a, snapshot=False),
+        runner._state, buf, table, handles, pages, lens, tokens, parents,
+    )[3]  # fmt: skip
+    commit = jax.make_jaxpr(runner._commit)(buf, table, handles, pages, lens, tree, path, path_len)
+    return _primitives(verify.jaxpr, []), _primitives(commit.jaxpr, [])
+
+
+def _kernel_names(prims):
+    return sorted(e.params["name"] for p, e in prims if p == "pallas_call")
+
+
+def test_pallas_programs_do_not_gather_states_or_pages(llms):
+    """XLA's verify gathers each GDN layer's state window and the attention layer's pages, and
+    its commit scatters the state windows; with kernels='pallas' none of those ops exist and
+    the arena kernels do the work (so this fails if the wiring is removed)."""
+    sp = llms["xla"].runner.spec
+    lg, la = sp.gdn_layers, sp.attn_layers
+    page_words = sp.page_size * sp.token_words
+    assert len({sp.state_words, sp.conv_words, page_words, sp.token_words}) == 4
+
+    def gathers(prims, words):
+        return sum(p == "gather" and e.params["slice_sizes"][-1] == words for p, e in prims)
+
+    def scatters(prims, words):
+        return sum(p == "scatter" and e.invars[2].aval.shape[-1] == words for p, e in prims)
+
+    args = _tree_batch(llms["xla"], seed=1)
+    (xv, xc), (pv, pc) = (_programs(llms[k].runner, args) for k in ("xla", "pallas"))
+    assert gathers(xv, sp.state_words) == lg and gathers(xv, page_words) == 2 * la
+    assert scatters(xc, sp.state_words) == lg
+    assert _kernel_names(xv) == _kernel_names(xc) == []
+    assert gathers(pv, sp.state_words) == 0 and gathers(pv, page_words) == 0
+    assert scatters(pc, sp.state_words) == 0 and gathers(pc, sp.state_words) == 0
+    assert _kernel_names(pv) == sorted(
+        ["gdn_tree_verify_arena"] * lg + ["tree_attention_arena"] * la
+    )
+    assert _kernel_names(pc) == ["gdn_tree_commit_arena"] * lg
+    for rid in {r for _, _, r, *_ in llms["xla"].manager.live()}:
+        llms["xla"].manager.free(rid)
+
+
+def test_kernel_option_validation(target, llms):
+    spec = llms["xla"].runner.spec
+    assert select_kernels("auto", spec, backend="cpu")[0].name == "xla"
+    auto_gpu, notes = select_kernels("auto", spec, backend="gpu")
+    assert (auto_gpu.gdn, auto_gpu.attention, auto_gpu.interpret, notes) == (True, True, False, ())
+    assert LLM(target, **GEOM).runner.kernels == (
+        "xla" if jax.default_backend() != "gpu" else "pallas"
+    )
+    with pytest.raises(ValueError, match="kernels"):
+        LLM(target, kernels="triton", **GEOM)
+    with pytest.raises(ValueError, match="kernels"):
+        ArenaRunner(target, llms["xla"].manager, kernels="fast")
+    with pytest.raises(ValueError, match="kernels='pallas'.*cache='arena'"):
+        LLM(target, kernels="pallas", cache="pools", **GEOM)
+    # page_size 8: the attention kernel refuses it; "pallas" says so, "auto" on GPU falls back
+    small = LLM(target, **ENGINE).runner.spec
+    with pytest.raises(ValueError, match="kernels='pallas': page_size 8"):
+        select_kernels("pallas", small)
+    part, notes = select_kernels("auto", small, backend="gpu")
+    assert part.gdn and not part.attention and "page_size 8" in notes[0]
+    # trees past the kernels' limit: "pallas" raises, "auto" leaves them to XLA
+    assert not auto_gpu.takes(65, "x")
+    with pytest.raises(ValueError, match="at most 128 nodes"):
+        select_kernels("pallas", spec)[0].takes(129, "GDN tree verify")
