@@ -25,10 +25,23 @@ Grids and buffers (``NC`` chunk slots; defaults of :class:`ChunkV2Blocks`)::
     state (S, Hv, V / block_v_state)  -> U [NC, Hv, C, V], h [NC, Hv, K, V], final [S, Hv, K, V]
     out   (NC, Hv, V / block_v_out)   -> o [T, Hv, V]
 
-All intermediates are f32 (``h`` optionally bf16: ``h_bf16``); ``rk`` are the key rows' l2norm
-scales (ones without the l2norm). Shared memory at chunk 64, K = V = 128, bf16 inputs, default
-blocks (Triton 3.6 for sm_90 on the lowered modules): intra 12 KiB, state 80.5 KiB (2 pipeline
-stages), out 24 KiB, against 227 KiB per block.
+All intermediates are f32 (``h`` optionally bf16: ``h_bf16``; ``U`` optionally bf16: ``u_bf16``);
+``rk`` are the key rows' l2norm scales (ones without the l2norm). Shared memory at chunk 64,
+K = V = 128, bf16 inputs, default blocks (Triton 3.6 for sm_90 on the lowered modules): intra
+12 KiB, state 80.5 KiB (2 pipeline stages), out 24 KiB, against 227 KiB per block
+(``benchmarks/compile_report.py --kernel chunk_v2`` for other blocks).
+
+``store_t`` (off by default) moves the right-hand sides out of kernel 1: it stores only
+``Tb = T diag(beta)`` ``[NC, Hv, C, C]`` (plus ``Gc``, ``rk``), and kernel 2 forms
+``U = Tb (V - diag(e^Gc rk) K S)`` (the same ``U = Uv - W S``), reading raw ``V`` and ``K``.
+That replaces the 2 C (K + V)-float ``W``/``Uv`` round trip through HBM by a C^2-float one (a
+quarter at C 64, K = V 128) and drops the ``W``/``Uv`` dots from kernel 1, for one more dot
+(``Tb R``, C x C x block_v_state) on the state kernel's serial path.
+
+``fuse_out`` (off by default) drops kernel 3: kernel 2 also writes ``O`` for its value
+columns as it passes each chunk (``Q S_c`` with the f32 state, ``Q K^T`` and the decay mask
+recomputed by each of the ``V / block_v_state`` programs of a head), so ``U`` and ``h`` never
+reach HBM; ``h_bf16``, ``u_bf16``, ``block_v_out`` and ``warps_out`` then do nothing.
 
 Packed sequences (``cu_seqlens``): chunks never cross a sequence boundary; a small XLA prologue
 (:func:`chunk_plan`) maps every chunk slot to its first token and length (slots past the last
@@ -49,7 +62,9 @@ applied as row/column scales of the products.
 
 Measured in interpret mode (CPU), T 1024, K = V = 128, bf16 q/k/v, l2norm, against the f32 XLA
 path: precision auto (bf16x3) final state 3.7e-6, o 1.5e-4 (bf16 output rounding); with
-``h_bf16`` o 9e-4; precision "bf16" state 2.4e-3, o 3.6e-3.
+``h_bf16`` o 9e-4; precision "bf16" state 2.4e-3, o 3.6e-3. T 150, K = V = 32 (same inputs
+otherwise): ``h_bf16`` o 8.0e-4, state 3.8e-6; with ``store_t`` o 8.1e-4, state 5.4e-6;
+``fuse_out`` (f32 ``Q S``) o 1.6e-4 (1.3e-4 with ``store_t``); ``u_bf16`` o 2.7e-3.
 """
 
 from __future__ import annotations
@@ -83,7 +98,11 @@ class ChunkV2Blocks:
     all bf16, else ``"tf32x3"``), ``exact_bf16_inputs``: see the module docstring. ``h_bf16``:
     store the per-chunk states in bf16 (half their HBM traffic; the inter-chunk part of ``O``
     then carries bf16 rounding, 4e-4 relative on an f32 ``o`` at T 1024; the recurrence itself
-    stays f32).
+    stays f32). ``u_bf16``: store ``U`` in bf16 for the output kernel (half its HBM traffic;
+    the intra-chunk part of ``O`` carries the rounding; the recurrence keeps f32 ``U``; the
+    output kernel's ``((Q K^T) * D) U`` dot then splits only its f32 operand). ``store_t``: kernel
+    1 stores ``T diag(beta)`` and kernel 2 applies it (module docstring); same results to
+    rounding. ``fuse_out``: kernel 2 writes the outputs (no kernel 3; module docstring).
     """
 
     sub: int = 16
@@ -97,6 +116,9 @@ class ChunkV2Blocks:
     precision: str = "auto"
     exact_bf16_inputs: bool = True
     h_bf16: bool = False
+    u_bf16: bool = False
+    store_t: bool = False
+    fuse_out: bool = False
 
 
 DEFAULT_V2_BLOCKS = ChunkV2Blocks()
@@ -214,18 +236,21 @@ def _load_cols(ref, t0, n_rows, c0, n_cols, valid):
 # Kernels
 
 
-def _intra_kernel(
-    start_ref, len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, uv_ref, gc_ref, rk_ref,
-    *, chunk, sub, use_l2norm, dots, exact_v,
-):  # fmt: skip
+def _intra_kernel(*refs, names, chunk, sub, use_l2norm, dots, exact_v):
     """Kernel 1, one program per (chunk slot, value head): ``Gc``, the key row scales ``rk``
-    (l2norm; ones without it), ``W`` and ``Uv`` of the chunk.
+    (l2norm; ones without it), ``W`` and ``Uv`` of the chunk (with ``store_t``, refs named
+    ``tb`` instead of ``w, uv``, and no ``v``: ``T diag(beta)``).
 
     ``T = (I + A)^-1`` is built in ``sub x sub`` blocks: diagonal blocks by product doubling,
     off-diagonal ones by ``T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj``; then
     ``W_i = sum_j (T_ij diag(beta e^Gc rk)_j) K_j`` and ``Uv_i = sum_j (T_ij diag(beta)_j) V_j``
     read the raw ``K``/``V`` rows (exact when they are bf16 and ``exact_bf16_inputs`` is on).
     """
+    ref = dict(zip(names, refs, strict=True))
+    start_ref, len_ref, k_ref, g_ref, beta_ref = (
+        ref[x] for x in ("start", "len", "k", "g", "beta")
+    )
+    gc_ref, rk_ref = ref["gc"], ref["rk"]
     c = pl.program_id(0)
     t0, n = start_ref[c], len_ref[c]
     nb = chunk // sub
@@ -275,7 +300,16 @@ def _intra_kernel(
                 acc = term if acc is None else acc + term
             t[i, j] = -dots.ff(t[i, i], acc)
 
+    if "tb" in ref:  # store_t: T diag(beta), upper blocks zero
+        tb_ref = ref["tb"]
+        for i in range(nb):
+            for j in range(nb):
+                blk = t[i, j] * betas[j][None, :] if j <= i else jnp.zeros((sub, sub), F32)
+                tb_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = blk
+        return
+
     # W and Uv by row blocks; V is reloaded per use to keep the live set small.
+    v_ref, w_ref, uv_ref = ref["v"], ref["w"], ref["uv"]
     for i in range(nb):
         w_i = uv_i = None
         for j in range(i + 1):
@@ -290,13 +324,27 @@ def _intra_kernel(
         uv_ref[pl.ds(i * sub, sub), :] = uv_i
 
 
-def _state_kernel(
-    cs_ref, nch_ref, start_ref, len_ref, k_ref, w_ref, uv_ref, gc_ref, rk_ref, s0_ref,
-    u_ref, h_ref, sf_ref, *, chunk, block_k, dots,
-):  # fmt: skip
+def _state_kernel(*refs, names, chunk, block_k, dots, scale, use_l2norm):
     """Kernel 2, one program per (sequence, value head, value-column block): the recurrence over
     the sequence's chunks, the state held as ``K / block_k`` row blocks. Stores ``U`` and the
-    state entering every chunk; per chunk ``U = Uv - W S`` and ``S <- e^g S + K^T X``."""
+    state entering every chunk; per chunk ``U = Uv - W S`` and ``S <- e^g S + K^T X``. With
+    ``store_t`` (refs ``v, tb`` instead of ``w, uv``) ``U = Tb (V - diag(e^Gc rk) (K S))``. With
+    ``fuse_out`` (ref ``q`` in, ``o`` out instead of ``u, h``) it also writes the chunk's
+    outputs, as kernel 3 would: ``O = diag(rq e^Gc) Q S + ((Q K^T) * D) U`` (scales applied)."""
+    ref = dict(zip(names, refs, strict=True))
+    cs_ref, nch_ref, start_ref, len_ref, k_ref = (
+        ref[x] for x in ("cs", "nch", "start", "len", "k")
+    )
+    gc_ref, rk_ref, s0_ref, sf_ref = ref["gc"], ref["rk"], ref["s0"], ref["sf"]
+    store_t, fuse = "tb" in ref, "o" in ref
+    if store_t:
+        v_ref, tb_ref = ref["v"], ref["tb"]
+    else:
+        w_ref, uv_ref = ref["w"], ref["uv"]
+    if fuse:
+        q_ref, o_ref = ref["q"], ref["o"]
+    else:
+        u_ref, h_ref = ref["u"], ref["h"]
     seq = pl.program_id(0)
     c0, n_chunks = cs_ref[seq], nch_ref[seq]
     pos = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -311,7 +359,7 @@ def _state_kernel(
             term = dots.ff(w_ref[c, :, pl.ds(r * block_k, block_k)], s[r])
             wu = term if wu is None else wu + term
         u = uv_ref[c] - wu
-        u_ref[c] = u
+        u_ref[c] = u.astype(u_ref.dtype)
         gc = gc_ref[c]
         g_last = gc_ref[c, chunk - 1]
         x = (rk_ref[c] * jnp.exp(g_last - gc))[:, None] * u
@@ -323,8 +371,64 @@ def _state_kernel(
             out.append(decay * s[r] + dots.rf(k_r, x, ta=True))
         return tuple(out)
 
+    def body_opt(i, s):
+        """The step with ``store_t`` and / or ``fuse_out``; ``K`` tiles loaded once per chunk."""
+        c = c0 + i
+        t0, n = start_ref[c], len_ref[c]
+        valid = pos < n
+        gc, rk = gc_ref[c], rk_ref[c]
+        k_t = [_load_cols(k_ref, t0, chunk, r * block_k, block_k, valid) for r in range(nk)]
+        acc = qs = None
+        for r in range(nk):
+            if not fuse:
+                h_ref[c, pl.ds(r * block_k, block_k), :] = s[r].astype(h_ref.dtype)
+            if store_t:
+                term = dots.rf(k_t[r], s[r])
+            else:
+                term = dots.ff(w_ref[c, :, pl.ds(r * block_k, block_k)], s[r])
+            acc = term if acc is None else acc + term
+            if fuse:  # Q S_c, the inter-chunk part of O
+                q_r = _load_cols(q_ref, t0, chunk, r * block_k, block_k, valid)
+                term = dots.rf(q_r, s[r])
+                qs = term if qs is None else qs + term
+        if store_t:
+            v_c = _load_rows(v_ref, t0, chunk, valid).astype(F32)
+            u = dots.ff(tb_ref[c], v_c - (rk * jnp.exp(gc))[:, None] * acc)
+        else:
+            u = uv_ref[c] - acc
+        if not fuse:
+            u_ref[c] = u.astype(u_ref.dtype)
+        g_last = gc_ref[c, chunk - 1]
+        x = (rk * jnp.exp(g_last - gc))[:, None] * u
+        decay = jnp.exp(g_last)
+        s_new = tuple(decay * s[r] + dots.rf(k_t[r], x, ta=True) for r in range(nk))
+        if fuse:  # the intra-chunk part, q and k reloaded (cache hits) to keep the live set small
+            qk = ssq = None
+            for r in range(nk):
+                q_r = _load_cols(q_ref, t0, chunk, r * block_k, block_k, valid)
+                k_r = _load_cols(k_ref, t0, chunk, r * block_k, block_k, valid)
+                term = dots.rr(q_r, k_r, tb=True)
+                qk = term if qk is None else qk + term
+                if use_l2norm:
+                    qf = q_r.astype(F32)
+                    term = jnp.sum(qf * qf, axis=-1)
+                    ssq = term if ssq is None else ssq + term
+            rq = (
+                scale * jax.lax.rsqrt(ssq + L2NORM_EPS)
+                if use_l2norm
+                else jnp.full((chunk,), scale, F32)
+            )
+            row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+            decay_m = _masked_decay(gc[:, None], gc[None, :], row >= col)
+            att = rq[:, None] * qk * rk[None, :] * decay_m
+            o = (rq * jnp.exp(gc))[:, None] * qs + dots.ff(att, u)
+            mask = jnp.broadcast_to(valid[:, None], o.shape)
+            plt.store(o_ref.at[pl.ds(t0, chunk)], o.astype(o_ref.dtype), mask=mask)
+        return s_new
+
     s0 = tuple(s0_ref[pl.ds(r * block_k, block_k), :].astype(F32) for r in range(nk))
-    s = jax.lax.fori_loop(0, n_chunks, body, s0)
+    s = jax.lax.fori_loop(0, n_chunks, body_opt if store_t or fuse else body, s0)
     for r in range(nk):
         sf_ref[pl.ds(r * block_k, block_k), :] = s[r]
 
@@ -358,7 +462,9 @@ def _out_kernel(
     col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     decay = _masked_decay(gc[:, None], gc[None, :], row >= col)
     att = rq[:, None] * qk * rk_ref[...][None, :] * decay
-    o = (rq * jnp.exp(gc))[:, None] * qs + dots.ff(att, u_ref[...])
+    o = (rq * jnp.exp(gc))[:, None] * qs
+    u = u_ref[...]
+    o = o + (dots.fr(att, u) if u.dtype == BF16 else dots.ff(att, u))
     mask = jnp.broadcast_to(valid[:, None], o.shape)
     plt.store(o_ref.at[pl.ds(t0, chunk)], o.astype(o_ref.dtype), mask=mask)
 
@@ -478,82 +584,92 @@ def _params(warps: int, stages: int = 1):
 
 def intra_call(cfg: _Launch, start, length, k, v, g, beta):
     """Kernel 1 over flattened ``k [T, Hk, K]``, ``v [T, Hv, V]``, ``g, beta [T, Hv]``:
-    returns ``W [NC, Hv, C, K]``, ``Uv [NC, Hv, C, V]``, ``Gc`` and ``rk [NC, Hv, C]`` (f32)."""
+    returns the tuple ``inter`` = ``(W [NC, Hv, C, K], Uv [NC, Hv, C, V], Gc, rk [NC, Hv, C])``
+    (f32), with ``store_t`` ``(Tb [NC, Hv, C, C], Gc, rk)`` (``v`` then unread); ``Gc, rk``
+    are always the last two."""
     n_slots, tp, c = start.shape[0], k.shape[0], cfg.chunk
     dk, hv, dv, grp = k.shape[2], v.shape[1], v.shape[2], cfg.grp
+    store_t = cfg.blocks.store_t
     slots = pl.BlockSpec((n_slots,), lambda *_: (0,))
+    row_spec = pl.BlockSpec((tp, None), lambda i, h: (0, h))
+    ins = [("start", start, slots), ("len", length, slots)]
+    ins += [("k", k, pl.BlockSpec((tp, None, dk), lambda i, h: (0, h // grp, 0)))]
+    ins += [] if store_t else [("v", v, pl.BlockSpec((tp, None, dv), lambda i, h: (0, h, 0)))]
+    ins += [("g", g, row_spec), ("beta", beta, row_spec)]
+    mat = lambda d: (pl.BlockSpec((None, None, c, d), lambda i, h: (i, h, 0, 0)),
+                     jax.ShapeDtypeStruct((n_slots, hv, c, d), F32))  # fmt: skip
+    vec = (pl.BlockSpec((None, None, c), lambda i, h: (i, h, 0)),
+           jax.ShapeDtypeStruct((n_slots, hv, c), F32))  # fmt: skip
+    outs = [("tb", *mat(c))] if store_t else [("w", *mat(dk)), ("uv", *mat(dv))]
+    outs += [("gc", *vec), ("rk", *vec)]
     kernel = functools.partial(
-        _intra_kernel, chunk=c, sub=cfg.sub, use_l2norm=cfg.use_l2norm, dots=cfg.dots,
-        exact_v=cfg.exact_v,
+        _intra_kernel, names=tuple(x[0] for x in ins + outs), chunk=c, sub=cfg.sub,
+        use_l2norm=cfg.use_l2norm, dots=cfg.dots, exact_v=cfg.exact_v,
     )  # fmt: skip
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid=(n_slots, hv),
-        in_specs=[
-            slots,
-            slots,
-            pl.BlockSpec((tp, None, dk), lambda i, h: (0, h // grp, 0)),
-            pl.BlockSpec((tp, None, dv), lambda i, h: (0, h, 0)),
-            pl.BlockSpec((tp, None), lambda i, h: (0, h)),
-            pl.BlockSpec((tp, None), lambda i, h: (0, h)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, c, dk), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, c, dv), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, c), lambda i, h: (i, h, 0)),
-            pl.BlockSpec((None, None, c), lambda i, h: (i, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((n_slots, hv, c, dk), F32),
-            jax.ShapeDtypeStruct((n_slots, hv, c, dv), F32),
-            jax.ShapeDtypeStruct((n_slots, hv, c), F32),
-            jax.ShapeDtypeStruct((n_slots, hv, c), F32),
-        ],
+        in_specs=[x[2] for x in ins],
+        out_specs=[x[1] for x in outs],
+        out_shape=[x[2] for x in outs],
         compiler_params=_params(cfg.blocks.warps_intra),
         interpret=cfg.interpret,
         name="gdn_chunk_v2_intra",
-    )(start, length, k, v, g, beta)
+    )(*(x[1] for x in ins))
+    return tuple(out)
 
 
-def state_call(cfg: _Launch, seq_first, seq_chunks, start, length, k, w, uv, gc, rk, s0):
-    """Kernel 2: returns ``U [NC, Hv, C, V]``, the state entering every chunk
-    ``h [NC, Hv, K, V]`` and the final states ``[S, Hv, K, V]`` (f32)."""
+def state_call(cfg: _Launch, seq_first, seq_chunks, start, length, q, k, v, inter, s0, out_dtype):
+    """Kernel 2 on kernel 1's ``inter`` (and the flattened ``q, k, v``; ``q`` read only with
+    ``fuse_out``, ``v`` only with ``store_t``): returns ``U [NC, Hv, C, V]`` (f32, bf16 with
+    ``u_bf16``), the state entering every chunk ``h [NC, Hv, K, V]`` (f32, bf16 with ``h_bf16``)
+    and the final states ``[S, Hv, K, V]`` (f32); with ``fuse_out`` ``(o [T, Hv, V] in
+    out_dtype, final states)``."""
     n_seq, n_slots, tp, c = seq_first.shape[0], start.shape[0], k.shape[0], cfg.chunk
-    dk, hv, dv, grp, bvs = k.shape[2], uv.shape[1], uv.shape[3], cfg.grp, cfg.bvs
+    dk, hv, dv, grp, bvs = k.shape[2], v.shape[1], v.shape[2], cfg.grp, cfg.bvs
+    store_t, fuse = cfg.blocks.store_t, cfg.blocks.fuse_out
     seqs = pl.BlockSpec((n_seq,), lambda *_: (0,))
     slots = pl.BlockSpec((n_slots,), lambda *_: (0,))
     s_spec = pl.BlockSpec((None, None, dk, bvs), lambda s, h, j: (s, h, 0, j))
     u_spec = pl.BlockSpec((n_slots, None, c, bvs), lambda s, h, j: (0, h, 0, j))
-    kernel = functools.partial(_state_kernel, chunk=c, block_k=cfg.bk, dots=cfg.dots)
-    return pl.pallas_call(
+    vec_spec = pl.BlockSpec((n_slots, None, c), lambda s, h, j: (0, h, 0))
+    mat_spec = lambda d: pl.BlockSpec((n_slots, None, c, d), lambda s, h, j: (0, h, 0, 0))
+    qk_spec = pl.BlockSpec((tp, None, dk), lambda s, h, j: (0, h // grp, 0))
+    tok_spec = pl.BlockSpec((tp, None, bvs), lambda s, h, j: (0, h, j))
+    ins = [("cs", seq_first, seqs), ("nch", seq_chunks, seqs)]
+    ins += [("start", start, slots), ("len", length, slots), ("k", k, qk_spec)]
+    if store_t:
+        ins += [("v", v, tok_spec), ("tb", inter[0], mat_spec(c))]
+    else:
+        ins += [("w", inter[0], mat_spec(dk)), ("uv", inter[1], u_spec)]
+    ins += [("gc", inter[-2], vec_spec), ("rk", inter[-1], vec_spec)]
+    ins += [("q", q, qk_spec)] if fuse else []
+    ins += [("s0", s0, s_spec)]
+    if fuse:
+        outs = [("o", tok_spec, jax.ShapeDtypeStruct((tp, hv, dv), out_dtype))]
+    else:
+        outs = [
+            ("u", u_spec,
+             jax.ShapeDtypeStruct((n_slots, hv, c, dv), BF16 if cfg.blocks.u_bf16 else F32)),
+            ("h", pl.BlockSpec((n_slots, None, dk, bvs), lambda s, h, j: (0, h, 0, j)),
+             jax.ShapeDtypeStruct((n_slots, hv, dk, dv), BF16 if cfg.blocks.h_bf16 else F32)),
+        ]  # fmt: skip
+    outs += [("sf", s_spec, jax.ShapeDtypeStruct((n_seq, hv, dk, dv), F32))]
+    kernel = functools.partial(
+        _state_kernel, names=tuple(x[0] for x in ins + outs), chunk=c, block_k=cfg.bk,
+        dots=cfg.dots, scale=cfg.scale, use_l2norm=cfg.use_l2norm,
+    )  # fmt: skip
+    out = pl.pallas_call(
         kernel,
         grid=(n_seq, hv, dv // bvs),
-        in_specs=[
-            seqs,
-            seqs,
-            slots,
-            slots,
-            pl.BlockSpec((tp, None, dk), lambda s, h, j: (0, h // grp, 0)),
-            pl.BlockSpec((n_slots, None, c, dk), lambda s, h, j: (0, h, 0, 0)),
-            u_spec,
-            pl.BlockSpec((n_slots, None, c), lambda s, h, j: (0, h, 0)),
-            pl.BlockSpec((n_slots, None, c), lambda s, h, j: (0, h, 0)),
-            s_spec,
-        ],
-        out_specs=[
-            u_spec,
-            pl.BlockSpec((n_slots, None, dk, bvs), lambda s, h, j: (0, h, 0, j)),
-            s_spec,
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((n_slots, hv, c, dv), F32),
-            jax.ShapeDtypeStruct((n_slots, hv, dk, dv), BF16 if cfg.blocks.h_bf16 else F32),
-            jax.ShapeDtypeStruct((n_seq, hv, dk, dv), F32),
-        ],
+        in_specs=[x[2] for x in ins],
+        out_specs=[x[1] for x in outs],
+        out_shape=[x[2] for x in outs],
         compiler_params=_params(cfg.blocks.warps_state, cfg.blocks.stages_state),
         interpret=cfg.interpret,
         name="gdn_chunk_v2_state",
-    )(seq_first, seq_chunks, start, length, k, w, uv, gc, rk, s0)
+    )(*(x[1] for x in ins))
+    return tuple(out)
 
 
 def out_call(cfg: _Launch, start, length, q, k, gc, rk, u, hst, out_dtype):
@@ -665,8 +781,12 @@ def chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
         chunk_size=chunk_size, cu_seqlens=cu_seqlens, blocks=blocks, interpret=interpret,
     )  # fmt: skip
-    w, uv, gc, rk = intra_call(cfg, start, length, k, v, g, beta)
-    u, hst, final = state_call(cfg, seq_first, seq_chunks, start, length, k, w, uv, gc, rk, s0)
-    o = out_call(cfg, start, length, q, k, gc, rk, u, hst, v.dtype)
+    inter = intra_call(cfg, start, length, k, v, g, beta)
+    res = state_call(cfg, seq_first, seq_chunks, start, length, q, k, v, inter, s0, v.dtype)
+    if blocks.fuse_out:
+        o, final = res
+    else:
+        u, hst, final = res
+        o = out_call(cfg, start, length, q, k, *inter[-2:], u, hst, v.dtype)
     o = o[: b * t].reshape(b, t, hv, dv)
     return o, (final if output_final_state else None)

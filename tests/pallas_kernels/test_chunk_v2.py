@@ -30,12 +30,23 @@ def _inputs(b, t, dk, dv, n_seq, dtype, seed):
     return cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(s0)
 
 
+_ALL_BF16 = ChunkV2Blocks(store_t=True, u_bf16=True, h_bf16=True)
+_FUSE_T = ChunkV2Blocks(fuse_out=True, store_t=True, block_v_state=16, block_k=16)
 CASES = [
     # (dtype, l2norm, chunk, B, cu_seqlens or T, K, V, blocks)
     (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkV2Blocks(block_v_state=16)),
     (jnp.bfloat16, False, 32, 2, 45, 32, 16, ChunkV2Blocks(exact_bf16_inputs=False)),
     (np.float32, False, 64, 1, (0, 100, 131), 32, 32, ChunkV2Blocks(block_v_out=16, block_k=16)),
     (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, ChunkV2Blocks(sub=32, h_bf16=True)),
+    # store_t (kernel 1 stores T diag(beta), kernel 2 applies it) and u_bf16
+    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkV2Blocks(store_t=True)),
+    (jnp.bfloat16, False, 32, 2, 45, 32, 16, ChunkV2Blocks(store_t=True, block_v_state=16)),
+    (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, _ALL_BF16),
+    (np.float32, False, 64, 1, (0, 100, 131), 32, 32, ChunkV2Blocks(u_bf16=True, block_v_out=16)),
+    # fuse_out (kernel 2 writes the outputs), alone and with store_t
+    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkV2Blocks(fuse_out=True)),
+    (np.float32, False, 32, 2, 45, 32, 16, _FUSE_T),
+    (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, ChunkV2Blocks(fuse_out=True, sub=32)),
 ]
 
 
@@ -59,7 +70,8 @@ def test_chunk_v2_matches_xla(dtype, l2, chunk, b, seqs, dk, dv, blocks):
     chex.assert_tree_all_finite((o, final))
 
     bf16 = dtype == jnp.bfloat16
-    tol_o = 1e-2 if bf16 else 2e-5  # bf16: the output's rounding (and h_bf16's)
+    # bf16: the output's rounding (and h_bf16's); u_bf16 rounds U, the intra-chunk part of o
+    tol_o = 1e-2 if bf16 or blocks.u_bf16 else 2e-5
     tol_s = 1e-4 if bf16 else 2e-5  # bf16 inputs: precision "auto" is bf16x3
     ox, sx = chunk_gated_delta_rule(
         q, k, v, g, beta, s0, use_qk_l2norm=l2, chunk_size=chunk, cu_seqlens=cu, impl="xla"
