@@ -155,7 +155,8 @@ def test_pallas_programs_do_not_gather_states_or_pages(llms):
     (xv, xc), (pv, pc) = (_programs(llms[k].runner, args) for k in ("xla", "pallas"))
     assert gathers(xv, sp.state_words) == lg and gathers(xv, page_words) == 2 * la
     assert scatters(xc, sp.state_words) == lg
-    assert _kernel_names(xv) == _kernel_names(xc) == []
+    # (on a GPU the XLA path's gdn_jax ops route to the dense Pallas kernels, never the arena's)
+    assert not [k for k in _kernel_names(xv) + _kernel_names(xc) if "arena" in k]
     assert gathers(pv, sp.state_words) == 0 and gathers(pv, page_words) == 0
     assert scatters(pc, sp.state_words) == 0 and gathers(pc, sp.state_words) == 0
     assert _kernel_names(pv) == sorted(
