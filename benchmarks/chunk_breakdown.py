@@ -38,14 +38,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.kernels import parse_blocks  # noqa: E402
+from benchmarks.kernels import chunk_inputs, parse_blocks, timed  # noqa: E402
 from pallas_kernels import chunk_v2 as cv2  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -57,31 +56,7 @@ def log(msg: str) -> None:
 
 
 def make_inputs(seed: int, b: int, t: int, hk: int, hv: int, dk: int, dv: int):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(ks[0], (b, t, hk, dk), BF16)
-    k = jax.random.normal(ks[1], (b, t, hk, dk), BF16)
-    v = jax.random.normal(ks[2], (b, t, hv, dv), BF16)
-    g = -jax.random.uniform(ks[3], (b, t, hv), F32, 0.01, 0.2)
-    beta = jax.random.uniform(ks[4], (b, t, hv), F32, 0.05, 1.0)
-    s0 = 0.1 * jax.random.normal(ks[5], (b, hv, dk, dv), F32)
-    return q, k, v, g, beta, s0
-
-
-def timed(fn, sets, reps: int, iters: int) -> float:
-    """Seconds per call of the jitted ``fn``: ``iters`` back-to-back calls rotating over the input
-    tuples in ``sets``, one block at the end; median over ``reps``."""
-    for s in sets:
-        jax.block_until_ready(fn(*s))
-    iters = max(iters, len(sets))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = fn(*sets[i % len(sets)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts)
+    return chunk_inputs(seed, b, t, hv, hk, dk, dv)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,34 +41,37 @@ import pallas_kernels as pk
 from benchmarks.kernels import parse_blocks
 
 
-def lower_verify(spec: str, b: int, hv: int, n: int) -> tuple[pk.VerifyBlocks, str]:
-    """``(blocks, Triton IR text)`` of the verify kernel lowered for sm_90 on this machine."""
-    h200 = gpu_info.GpuInfo(
-        gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0", compute_capability=90
-    )
-    gpu_info.get_gpu_info = lambda: h200
-    pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h200
+def _lower_capturing(fn, args) -> list[tuple[str, str]]:
+    """Lowers ``jax.jit(fn)(*args)`` for sm_90 on this machine and returns each Pallas kernel's
+    ``(function name, Triton IR text)``."""
+    _force_h200()
     captured = []
     orig = lowering.lower_jaxpr_to_triton_module
 
-    def capture(*args, **kwargs):
-        out = orig(*args, **kwargs)
-        captured.append(out.module.operation.get_asm(enable_debug_info=False))
+    def capture(jaxpr, *a, **kw):
+        out = orig(jaxpr, *a, **kw)
+        captured.append((jaxpr.debug_info.func_name,
+                         out.module.operation.get_asm(enable_debug_info=False)))  # fmt: skip
         return out
 
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
-        bl = parse_blocks([spec], pk.VerifyBlocks)[0]
-        s = jax.ShapeDtypeStruct
-        bf, f32 = jnp.bfloat16, jnp.float32
-        args = (s((b, n, 16, 128), bf), s((b, n, 16, 128), bf), s((b, n, hv, 128), bf),
-                s((b, n, hv), f32), s((b, n, hv), f32), s((b, n), jnp.int32),
-                s((b, hv, 128, 128), f32))  # fmt: skip
-        fn = jax.jit(lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=bl))
-        fn.trace(*args).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = orig
-    return bl, captured[-1]
+    return captured
+
+
+def lower_verify(spec: str, b: int, hv: int, n: int) -> tuple[pk.VerifyBlocks, str]:
+    """``(blocks, Triton IR text)`` of the verify kernel lowered for sm_90 on this machine."""
+    bl = parse_blocks([spec], pk.VerifyBlocks)[0]
+    s = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    args = (s((b, n, 16, 128), bf), s((b, n, 16, 128), bf), s((b, n, hv, 128), bf),
+            s((b, n, hv), f32), s((b, n, hv), f32), s((b, n), jnp.int32),
+            s((b, hv, 128, 128), f32))  # fmt: skip
+    captured = _lower_capturing(lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=bl), args)
+    return bl, captured[-1][1]
 
 
 def _force_h200():
@@ -82,27 +85,13 @@ def _force_h200():
 def lower_chunk_v2(spec: str, b: int, t: int, hv: int) -> tuple[pk.ChunkV2Blocks, list]:
     """``(blocks, [(kernel name, Triton IR text, warps, stages)])`` of the three chunk_v2 kernels
     lowered for sm_90 on this machine (bf16 q/k/v, Hk 16, K = V = 128, chunk 64, l2norm)."""
-    _force_h200()
-    captured = []
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def capture(jaxpr, *args, **kwargs):
-        out = orig(jaxpr, *args, **kwargs)
-        captured.append((jaxpr.debug_info.func_name,
-                         out.module.operation.get_asm(enable_debug_info=False)))  # fmt: skip
-        return out
-
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        bl = parse_blocks([spec], pk.ChunkV2Blocks)[0]
-        s = jax.ShapeDtypeStruct
-        bf, f32 = jnp.bfloat16, jnp.float32
-        args = (s((b, t, 16, 128), bf), s((b, t, 16, 128), bf), s((b, t, hv, 128), bf),
-                s((b, t, hv), f32), s((b, t, hv), f32), s((b, hv, 128, 128), f32))  # fmt: skip
-        fn = jax.jit(lambda *a: pk.chunk_gated_delta_rule_v2(*a, use_qk_l2norm=True, blocks=bl))
-        fn.trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = orig
+    bl = parse_blocks([spec], pk.ChunkV2Blocks)[0]
+    s = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    args = (s((b, t, 16, 128), bf), s((b, t, 16, 128), bf), s((b, t, hv, 128), bf),
+            s((b, t, hv), f32), s((b, t, hv), f32), s((b, hv, 128, 128), f32))  # fmt: skip
+    captured = _lower_capturing(
+        lambda *a: pk.chunk_gated_delta_rule_v2(*a, use_qk_l2norm=True, blocks=bl), args)
     knobs = {"intra": (bl.warps_intra, 1), "state": (bl.warps_state, bl.stages_state),
              "out": (bl.warps_out, 1)}  # fmt: skip
     out = []

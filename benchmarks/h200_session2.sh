@@ -5,12 +5,7 @@
 #   against XLA, arena reads vs native arrays, and Nsight Compute on the verify kernel.
 # Writes logs and JSON under $OUT.
 set -u
-OUT=${OUT:-/tmp/h200_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:.
-step() { local t=$1; shift; local name=$1; shift; echo "== $name"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^# \[' "$OUT/$name.log" | grep -v '^op=' | tail -40; }
+source "$(dirname "$0")/h200_lib.sh"
 step 240 chunk python3 benchmarks/kernels.py --ops chunk --chunk-shapes "4096x1;4096x8" --reps 5 \
   --chunk-v2 --chunk-v2-blocks "" --chunk-v2-blocks h_bf16=true --json "$OUT/chunk.json"
 step 70 routes python3 -m benchmarks.routes_check --json "$OUT/routes.json"

@@ -4,12 +4,7 @@
 # program time against the number of ops; ncu: every kernel of one fused program), the
 # block_v=32/num_warps=8 variant, and the chunk prefill against fla at larger shapes.
 set -u
-OUT=${OUT:-/tmp/h200_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:.
-step() { local t=$1; shift; local name=$1; shift; echo "== $name"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^# \[' "$OUT/$name.log" | grep -v '^op=' | tail -30; }
+source "$(dirname "$0")/h200_lib.sh"
 step 170 probe python3 benchmarks/overhead_probe.py --configs "32:16:64;64:1:64" --rs 1,4,16 --reps 10 \
   --verify-blocks precision=bf16x3 --verify-blocks precision=bf16x3,block_v=32,num_warps=8 \
   --json "$OUT/probe.json"

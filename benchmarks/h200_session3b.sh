@@ -4,10 +4,7 @@
 #   2. the grid Hv {32, 64} x B {1, 16, 64} x N {8, 32, 64, 128}, random trees + chains, with the
 #      two main variants, in priority order (the JSON is rewritten after every row).
 set -u
-OUT=${OUT:-/tmp/h200_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-step() { local t=$1; shift; local name=$1; shift; echo "== $name"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^# \[' "$OUT/$name.log" | grep -v '^op=' | tail -${TAILN:-30}; }
+source "$(dirname "$0")/h200_lib.sh"
 A=precision=bf16x3
 B=precision=bf16x3,ancestors_input=true
 step 170 sweep python3 benchmarks/kernels.py --ops verify --configs "32:16:64;64:1:64" --reps 5 \

@@ -4,12 +4,7 @@
 # prefill kernel by kernel, the launch cost of a Pallas call, routes_check, and the engine's
 # arena-kernel tests on the GPU.
 set -u
-OUT=${OUT:-/tmp/h200_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:.
-step() { local t=$1; shift; local name=$1; shift; echo "== $name"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^# \[' "$OUT/$name.log" | grep -v '^op=' | tail -${TAILN:-30}; }
+source "$(dirname "$0")/h200_lib.sh"
 TAILN=20 step ${CHUNK_S:-180} chunk python3 benchmarks/chunk_breakdown.py --shapes "4096x8;16384x1" --blocks "h_bf16=true" --blocks "h_bf16=true,store_t=true" --blocks "fuse_out=true,store_t=true" --blocks "fuse_out=true,store_t=true,block_v_state=16" --blocks "h_bf16=true,store_t=true,precision=bf16" --budget-s 140 --json "$OUT/chunk_breakdown.json"
 TAILN=40 step 100 commit_arena python3 benchmarks/kernels.py --ops commit,arena --reps 5 \
   --configs "32:16:64;64:1:64;64:16:64;32:64:64" --verify-blocks precision=bf16x3 \

@@ -2,10 +2,7 @@
 # The third session's short last call: the engine's arena-kernel tests on the GPU and the arena
 # kernels against the dense ones (issue 5).
 set -u
-OUT=${OUT:-/tmp/h200_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
-step() { local t=$1; shift; local name=$1; shift; echo "== $name"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v '^# \[' "$OUT/$name.log" | grep -v '^op=' | tail -${TAILN:-30}; }
+source "$(dirname "$0")/h200_lib.sh"
 TAILN=4 step 60 engine python3 -m pytest -x -q -p no:cacheprovider tests/serving/test_arena_kernels_engine.py
 TAILN=8 step 110 arena python3 benchmarks/kernels.py --ops arena --reps 5 --configs "32:16:64;64:1:64" \
   --verify-blocks precision=bf16x3 --json "$OUT/arena.json"

@@ -145,16 +145,26 @@ def random_parents(rng, b: int, n: int, chain: bool) -> np.ndarray:
 
 
 def tree_inputs(seed: int, b: int, n: int, hv: int, chain: bool):
-    rng = np.random.default_rng(seed)
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(ks[0], (b, n, HK, K), BF16)
-    k = jax.random.normal(ks[1], (b, n, HK, K), BF16)
-    v = jax.random.normal(ks[2], (b, n, hv, V), BF16)
-    g = -jax.random.uniform(ks[3], (b, n, hv), F32, 0.01, 0.5)
-    beta = jax.random.uniform(ks[4], (b, n, hv), F32, 0.05, 1.0)
-    s0 = 0.1 * jax.random.normal(ks[5], (b, hv, K, V), F32)
-    par = jnp.asarray(random_parents(rng, b, n, chain))
+    """``(q, k, v, g, beta, parents, s0)`` of a draft tree of ``n`` nodes (a chain if ``chain``);
+    as :func:`chunk_inputs` with ``g = -U(0.01, 0.5)``."""
+    q, k, v, g, beta, s0 = chunk_inputs(seed, b, n, hv, g_max=0.5)
+    par = jnp.asarray(random_parents(np.random.default_rng(seed), b, n, chain))
     return q, k, v, g, beta, par, s0
+
+
+def chunk_inputs(
+    seed: int, b: int, t: int, hv: int, hk: int = HK, dk: int = K, dv: int = V, g_max: float = 0.2
+):
+    """``(q, k, v, g, beta, s0)`` of a chunked prefill: bf16 q/k/v ~ N(0, 1), ``g = -U(0.01,
+    g_max)``, ``beta = U(0.05, 1)``, ``s0 = 0.1 N(0, 1)`` f32."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (b, t, hk, dk), BF16)
+    k = jax.random.normal(ks[1], (b, t, hk, dk), BF16)
+    v = jax.random.normal(ks[2], (b, t, hv, dv), BF16)
+    g = -jax.random.uniform(ks[3], (b, t, hv), F32, 0.01, g_max)
+    beta = jax.random.uniform(ks[4], (b, t, hv), F32, 0.05, 1.0)
+    s0 = 0.1 * jax.random.normal(ks[5], (b, hv, dk, dv), F32)
+    return q, k, v, g, beta, s0
 
 
 def deepest_path(par: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -437,14 +447,7 @@ def bench_chunk(args, bw, mm, rows):
             fla = None
     hv = args.chunk_hv
     for t, b in args.chunk_shapes:
-        ks = jax.random.split(jax.random.key(t + b), 6)
-        q = jax.random.normal(ks[0], (b, t, HK, K), BF16)
-        k = jax.random.normal(ks[1], (b, t, HK, K), BF16)
-        v = jax.random.normal(ks[2], (b, t, hv, V), BF16)
-        g = -jax.random.uniform(ks[3], (b, t, hv), F32, 0.01, 0.2)
-        beta = jax.random.uniform(ks[4], (b, t, hv), F32, 0.05, 1.0)
-        s0 = 0.1 * jax.random.normal(ks[5], (b, hv, K, V), F32)
-        args_ = (q, k, v, g, beta, s0)
+        args_ = chunk_inputs(t + b, b, t, hv)
         row = dict(op="chunk", Hv=hv, B=b, T=t)
         byts = b * t * (2 * HK * K * 2 + hv * V * 2 * 2 + hv * 8) + 2 * b * hv * K * V * 4
         row["floor_us"] = 1e6 * byts / bw

@@ -36,3 +36,8 @@ from pallas_kernels.chunk_v2 import ChunkV2Blocks  # noqa: E402
 from pallas_kernels.chunk_v2 import chunk_gated_delta_rule as chunk_gated_delta_rule_v2  # noqa: E402
 
 __all__ += ["ChunkV2Blocks", "chunk_gated_delta_rule_v2"]
+
+# One decode token on GDN states read from / written into the serving memory arena in place.
+from pallas_kernels.arena_decode import recurrent_step as arena_recurrent_step  # noqa: E402
+
+__all__ += ["arena_recurrent_step"]

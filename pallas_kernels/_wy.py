@@ -163,17 +163,23 @@ class TreeLaunch(NamedTuple):
     scale: float
 
 
-def prepare_tree_launch(q, k, v, g, beta, parents, *, scale, block_v: int) -> TreeLaunch:
-    """Checks a tree kernel's inputs (ValueError naming the limit) and pads ``N`` to a power of
-    two >= 16 with padding nodes (parent -2, zero inputs)."""
-    hk, dk = k.shape[2], k.shape[3]
-    hv, dv = v.shape[2], v.shape[3]
+def check_heads_dims(q, k, v, *, hk: int, dk: int, hv: int, dv: int) -> None:
+    """ValueErrors for grouped heads that do not divide, non-power-of-two K / V and non-float
+    q / k / v."""
     if hv % hk:
         raise ValueError(f"v: value heads Hv={hv} must be a multiple of key heads Hk={hk}")
     check_pow2_dim("K", dk)
     check_pow2_dim("V", dv)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_float(name, x)
+
+
+def prepare_tree_launch(q, k, v, g, beta, parents, *, scale, block_v: int) -> TreeLaunch:
+    """Checks a tree kernel's inputs (ValueError naming the limit) and pads ``N`` to a power of
+    two >= 16 with padding nodes (parent -2, zero inputs)."""
+    hk, dk = k.shape[2], k.shape[3]
+    hv, dv = v.shape[2], v.shape[3]
+    check_heads_dims(q, k, v, hk=hk, dk=dk, hv=hv, dv=dv)
     npad = next_pow2(k.shape[1], 16)
     q, k, v, g, beta = (pad_axis(x, 1, npad) for x in (q, k, v, g, beta))
     parents = pad_axis(parents.astype(jnp.int32), 1, npad, value=-2)

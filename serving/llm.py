@@ -94,10 +94,11 @@ class LLM:
         manager's arena, read and written through the requests' handles (KV pages and state
         slots exist once). ``"pools"``: the engine's own per-layer pools, the manager only
         accounting (the cache is then held twice; kept as a reference for tests).
-      kernels: how the arena cache's tree verify and commit run (``cache="arena"`` only):
-        ``"auto"`` (default: the Pallas kernels reading the arena in place on GPU, XLA
-        elsewhere), ``"pallas"`` (the kernels everywhere, interpret mode off GPU) or
-        ``"xla"``; see :class:`serving.runner.ArenaRunner`.
+      kernels: how the arena cache's steps run (``cache="arena"`` only): ``"auto"``
+        (default: on GPU the Pallas kernels that read the arena in place for tree verify,
+        commit and tree attention; XLA elsewhere and for decode), ``"pallas"`` (those kernels
+        plus the Pallas GDN decode step, everywhere; interpret mode off GPU) or ``"xla"``;
+        see :class:`serving.runner.ArenaRunner`.
     """
 
     def __init__(

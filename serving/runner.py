@@ -175,8 +175,9 @@ class ModelRunner:
 def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS):
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
     decode, commit); ``verify`` only reads it. ``kernels`` picks XLA or the in-place Pallas
-    kernels for verify and commit; prefill and decode always run on XLA, so they are shared by
-    every ``kernels`` choice (:func:`_arena_sequence_programs`)."""
+    kernels for verify and commit, and for decode's GDN layers when ``kernels.decode``
+    (:func:`_arena_decode_program`); prefill always runs on XLA, so it (and the XLA decode) is
+    shared by every ``kernels`` choice (:func:`_arena_sequence_programs`)."""
 
     def cache_of(buf, table, handles, pages, lengths):
         return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
@@ -198,8 +199,12 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
         cache = cache_of(buf, table, handles, pages, lengths)
         return steps.commit(cache, tree, path, path_len).buffer
 
+    prefill, decode = _arena_sequence_programs(graphdef, spec)
+    if kernels.decode:
+        decode = _arena_decode_program(graphdef, spec, kernels)
     return (
-        *_arena_sequence_programs(graphdef, spec),
+        prefill,
+        decode,
         jax.jit(verify, static_argnames="snapshot"),
         jax.jit(commit, donate_argnums=0),
     )
@@ -224,19 +229,29 @@ def _arena_sequence_programs(graphdef, spec: ArenaSpec):
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, cache.buffer
 
+    return jax.jit(prefill, donate_argnums=1), _arena_decode_program(graphdef, spec, XLA_KERNELS)
+
+
+@functools.cache
+def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels):
+    """Decode over the arena (``buf`` donated and returned): one token through
+    :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run
+    :func:`pallas_kernels.arena_decode.recurrent_step` on the states in place
+    (``ArenaCache.gdn_step_rule``), else XLA state windows."""
+
     def decode(state, buf, table, handles, pages, lengths, tokens):
         m = nnx.merge(graphdef, state)
         logits, cache, hidden = steps.prefill(
             m,
             tokens[:, None],
-            cache_of(buf, table, handles, pages, lengths),
+            ArenaCache(buf, table, handles, pages, lengths, spec, kernels),
             jnp.ones_like(lengths),
             return_hidden=True,
         )
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, cache.buffer
 
-    return jax.jit(prefill, donate_argnums=1), jax.jit(decode, donate_argnums=1)
+    return jax.jit(decode, donate_argnums=1)
 
 
 class ArenaRunner:
@@ -255,19 +270,20 @@ class ArenaRunner:
       layer's pages; scatters of the committed states);
     - ``"pallas"``: the Pallas kernels read the arena in place through the handle table: the
       GDN tree verify (:func:`pallas_kernels.arena.tree_verify`), the tree attention over the
-      KV pages (:func:`pallas_kernels.arena_attention.tree_attention`) and the GDN commit
-      (:func:`pallas_kernels.arena.tree_commit`, the arena aliased, so in place); in interpret
-      mode off GPU. A geometry the kernels do not take (``page_size`` / ``head_dim`` not a
+      KV pages (:func:`pallas_kernels.arena_attention.tree_attention`), the GDN commit
+      (:func:`pallas_kernels.arena.tree_commit`, the arena aliased, so in place) and
+      :meth:`decode`'s GDN layers (:func:`pallas_kernels.arena_decode.recurrent_step`, in
+      place); in interpret mode off GPU. A geometry the kernels do not take (``page_size`` / ``head_dim`` not a
       power of two >= 16, GDN head dims not a power of two in [16, 256], a non-f32 recurrent
       state) raises ``ValueError`` here, a tree of more than ``pallas_kernels.MAX_NODES``
       nodes when verified;
     - ``"auto"`` (default): ``"pallas"`` on a GPU backend for the parts whose geometry fits
       (and trees of at most 64 nodes), XLA otherwise; ``kernel_notes`` says why a part stayed
-      on XLA.
+      on XLA. Decode stays on XLA with ``"auto"`` (the decode kernel is not measured on GPU).
 
-    Not wired to the kernels on any setting: :meth:`prefill` and :meth:`decode` (chunked /
-    recurrent GDN and causal attention over XLA windows), the snapshot verify method, the conv
-    state (a small ``(W-1) x C`` window per layer) and the accepted nodes' K/V writes.
+    Not wired to the kernels on any setting: :meth:`prefill` (chunked GDN and causal attention
+    over XLA windows), decode's attention layers, the snapshot verify method, the conv state (a
+    small ``(W-1) x C`` window per layer) and the accepted nodes' K/V writes.
     """
 
     def __init__(self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto"):

@@ -87,12 +87,17 @@ class GatedDeltaNet(nnx.Module):
         *,
         num_tokens: jax.Array | None = None,
         recurrent: bool = False,
+        rule=None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """A sequence ``x [B, T, H]`` continuing from the caches (zeros when ``None``).
 
         Only the first ``num_tokens[b]`` tokens of row ``b`` update the caches (the rest get
         ``beta = 0, g = 0``, which leaves the state unchanged). ``recurrent`` picks the
         token-by-token rule (decode) over the chunked one. Returns ``(y, conv_state, ssm_state)``.
+
+        ``rule``: a rule that finds the recurrent state itself (``rule(q, k, v, g, beta, *,
+        use_qk_l2norm) -> (o, result)``, e.g. the serving arena's in-place decode kernel);
+        ``ssm_state`` is then unused and the third output is the rule's ``result``.
         """
         qkv, z, g, beta = self.project(x)
         b, t = x.shape[:2]
@@ -104,6 +109,9 @@ class GatedDeltaNet(nnx.Module):
             g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
             new_conv = conv_state_after(conv_state, qkv, num_tokens)
         q, k, v = self.split(mixed)
+        if rule is not None:
+            o, new_ssm = rule(q, k, v, g, beta, use_qk_l2norm=True)
+            return self.finish(o, z), new_conv, new_ssm
         rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
         o, new_ssm = rule(q, k, v, g, beta, ssm_state, use_qk_l2norm=True)
         return self.finish(o, z), new_conv, new_ssm

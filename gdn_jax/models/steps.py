@@ -14,7 +14,9 @@ A storage may also read the GDN recurrent states in place (the serving arena wit
 kernels): ``verify_tree`` asks ``cache.gdn_tree_rule(gi, N)`` for a tree-verify rule that
 reads layer ``gi``'s state itself (then only ``cache.gdn_conv_state(gi)`` is read), and
 ``commit`` asks ``cache.commit_gdn_state(gi, tree_cache, path, path_len)`` to commit it in
-place (then the conv state goes through ``gdn_conv_state`` / ``with_gdn_conv_state``). Either
+place (then the conv state goes through ``gdn_conv_state`` / ``with_gdn_conv_state``); a
+one-token :func:`prefill` / :func:`decode` asks ``cache.gdn_step_rule(gi)`` for a rule that
+reads and writes layer ``gi``'s recurrent state itself and returns the updated cache. Each
 returns ``None`` to take the default path; a storage without them always does.
 
 Each takes the model first; jit them with ``nnx.jit`` (or split the model and close over the
@@ -62,11 +64,20 @@ def _sequence(
     for layer in model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == LINEAR:
-            conv, ssm = cache.gdn_state(gi)
-            mixed, c, s = layer.linear_attn(
-                h, conv, ssm, num_tokens=num_tokens, recurrent=recurrent
-            )
-            cache = cache.with_gdn_state(gi, c, s)
+            rule = None
+            if t == 1 and hasattr(cache, "gdn_step_rule"):
+                rule = cache.gdn_step_rule(gi)
+            if rule is None:
+                conv, ssm = cache.gdn_state(gi)
+                mixed, c, s = layer.linear_attn(
+                    h, conv, ssm, num_tokens=num_tokens, recurrent=recurrent
+                )
+                cache = cache.with_gdn_state(gi, c, s)
+            else:  # the rule reads and writes the recurrent state in place
+                mixed, c, cache = layer.linear_attn(
+                    h, cache.gdn_conv_state(gi), None, num_tokens=num_tokens, rule=rule
+                )
+                cache = cache.with_gdn_conv_state(gi, c)
             gi += 1
         else:
             attn = layer.self_attn

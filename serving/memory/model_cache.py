@@ -31,10 +31,12 @@ Kernels (:class:`ArenaKernels`, chosen by :func:`select_kernels`; ``ArenaRunner(
 with the Pallas kernels the tree verify reads the GDN recurrent states in place through the
 table (:func:`pallas_kernels.arena.tree_verify`), its attention layers read the KV pages in
 place (:func:`pallas_kernels.arena_attention.tree_attention`), and the commit updates the
-recurrent states in place (:func:`pallas_kernels.arena.tree_commit`, the arena aliased). Still
-XLA windows on that path: the conv state (``(W-1)*C`` elements per layer), the accepted
-nodes' K/V writes, and prefill / decode (chunked or recurrent GDN, causal attention over the
-gathered pages) and the snapshot verify method. Rows at length 0 read zero states on both
+recurrent states in place (:func:`pallas_kernels.arena.tree_commit`, the arena aliased); with
+``kernels="pallas"`` the decode step's GDN layers also read and write their recurrent states in
+place (:func:`pallas_kernels.arena_decode.recurrent_step`, the arena aliased). Still XLA
+windows on that path: the conv state (``(W-1)*C`` elements per layer), the accepted nodes' K/V
+writes, prefill (chunked GDN), decode's attention (causal attention over the gathered pages)
+and the snapshot verify method. Rows at length 0 read zero states on both
 paths; a commit of a length-0 row (which the engine never issues: it verifies only prefilled
 requests) leaves that row's recurrent state unwritten on the kernel path.
 """
@@ -165,6 +167,8 @@ class ArenaKernels:
       read, and committed, in place through the table) instead of XLA state windows;
     - ``attention``: the tree verify's attention by :mod:`pallas_kernels.arena_attention` (the
       KV pages read in place) instead of XLA's page gather;
+    - ``decode``: the decode step's GDN layers by :mod:`pallas_kernels.arena_decode` (the
+      recurrent states read and written in place) instead of XLA state windows;
     - ``interpret``: run them in Pallas interpret mode (any non-GPU backend);
     - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
       ``ValueError`` when ``strict`` (``kernels="pallas"`` asked for explicitly).
@@ -172,6 +176,7 @@ class ArenaKernels:
 
     gdn: bool = False
     attention: bool = False
+    decode: bool = False
     interpret: bool = False
     max_nodes: int = 0
     strict: bool = False
@@ -179,7 +184,7 @@ class ArenaKernels:
     @property
     def name(self) -> str:
         """``"pallas"`` when any step uses a kernel, else ``"xla"``."""
-        return "pallas" if self.gdn or self.attention else "xla"
+        return "pallas" if self.gdn or self.attention or self.decode else "xla"
 
     def takes(self, n: int, what: str) -> bool:
         """Whether a tree of ``n`` nodes goes to the kernels (static, at trace time)."""
@@ -266,6 +271,9 @@ def select_kernels(
     choice = ArenaKernels(
         gdn=spec.gdn_layers > 0 and not gdn_bad,
         attention=spec.attn_layers > 0 and not attn_bad,
+        # The decode kernel only on an explicit "pallas": "auto" keeps decode on XLA, since the
+        # arena decode kernel has not been measured against XLA's state windows on a GPU.
+        decode=spec.gdn_layers > 0 and not gdn_bad and kernels == "pallas",
         interpret=interpret,
         max_nodes=MAX_NODES if kernels == "pallas" else AUTO_MAX_NODES,
         strict=kernels == "pallas",
@@ -423,6 +431,35 @@ class ArenaCache:
                 use_qk_l2norm=use_qk_l2norm, blocks=blocks, interpret=kn.interpret,
             )  # fmt: skip
             return o, TreeCache(u, k, g_path, parents.astype(jnp.int32), use_qk_l2norm)
+
+        return rule
+
+    def gdn_step_rule(self, gi: int):
+        """The one-token (decode) rule of GDN layer ``gi`` reading and writing its recurrent
+        state in place (:func:`pallas_kernels.arena_decode.recurrent_step`, the arena aliased):
+        ``rule(q, k, v, g, beta, *, use_qk_l2norm) -> (o [B, 1, Hv, V], ArenaCache)`` on
+        ``[B, 1, ...]`` inputs, the returned cache holding the updated arena; ``None`` unless
+        the decode kernel is selected (then :meth:`gdn_state` / :meth:`with_gdn_state`).
+
+        As the XLA path: rows at length 0 start from a zero state and are written; padding rows
+        (handle ``-1``) run from a zero state and are not written."""
+        kn = self.kernels
+        if not kn.decode:
+            return None
+        from pallas_kernels.arena_decode import recurrent_step
+
+        sp = self.spec
+        h = self.state_handles
+
+        def rule(q, k, v, g, beta, *, use_qk_l2norm: bool):
+            o, buf = recurrent_step(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], self.buffer,
+                self._kernel_table(), jnp.where(h >= 0, h, -1),
+                state_offset=sp.state_offset + gi * sp.state_words,
+                use_qk_l2norm=use_qk_l2norm, zero_state=self.lengths <= 0,
+                interpret=kn.interpret,
+            )  # fmt: skip
+            return o[:, None], dataclasses.replace(self, buffer=buf)
 
         return rule
 

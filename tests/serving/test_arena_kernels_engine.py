@@ -191,3 +191,67 @@ def test_kernel_option_validation(target, llms):
     assert not auto_gpu.takes(65, "x")
     with pytest.raises(ValueError, match="at most 128 nodes"):
         select_kernels("pallas", spec)[0].takes(129, "GDN tree verify")
+
+
+def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
+    """Greedy decode steps with kernels='pallas' (the GDN layers by the in-place arena decode
+    kernel) give the XLA path's logits, tokens and arena; a row at length 0 with a stale unit
+    starts from a zero state on both. The pallas decode program gathers / scatters no GDN state
+    window ("auto" keeps decode on XLA)."""
+    sp = llms["xla"].runner.spec
+    assert select_kernels("pallas", sp)[0].decode
+    assert not select_kernels("auto", sp, backend="gpu")[0].decode
+    llm = llms["xla"]
+    mm = llm.manager
+    pallas = ArenaRunner(target, mm, kernels="pallas")
+    handles, pages, lens, tokens, *_ = _tree_batch(llm, seed=2)
+    handles[2] = mm.alloc(("kern", 2, 2), "state")[0]  # a fresh row: length 0, stale unit
+    pages[2, :1] = mm.alloc(("kern", 2, 2), "kv", 1)
+    base = np.asarray(mm.arena.buffer).copy()
+    for _, kind, rid, seg, word, words in mm.live():
+        if rid == ("kern", 2, 2) and kind == "state":  # stale bits, NaN patterns included
+            base[seg, word : word + words] = np.random.default_rng(0).integers(0, 2**32, words)
+    live = (handles >= 0).astype(np.int32)
+    out = {}
+    for name, runner in (("xla", llm.runner), ("pallas", pallas)):
+        mm.arena.buffer = jax.device_put(base, mm.arena.buffer.device)
+        lengths, tok, got = lens.copy(), tokens[:, 0].copy(), []
+        for _ in range(3):
+            logits, am, _ = runner.decode(handles, pages, lengths, tok)
+            got.append((np.asarray(logits)[:3], np.asarray(am)[:3]))
+            lengths, tok = lengths + live, np.asarray(am).astype(np.int32)
+        out[name] = got, np.asarray(mm.arena.buffer)
+    (gx, bx), (gp, bp) = out["xla"], out["pallas"]
+    for (lx, ax), (lp, ap) in zip(gx, gp, strict=True):
+        np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4 * np.abs(lx).max())
+        np.testing.assert_array_equal(ap, ax)
+    rows = [("kern", 2, 0), ("kern", 2, 1), ("kern", 2, 2)]
+    other = np.ones(base.shape, bool)
+    for _, kind, rid, seg, word, words in mm.live():
+        if rid in rows:
+            span = slice(word, word + words)
+            other[seg, span] = False
+            x, p = bx[seg, span].view(np.float32), bp[seg, span].view(np.float32)
+            np.testing.assert_allclose(p, x, rtol=1e-5, atol=1e-5, err_msg=f"{kind} unit")
+            if kind == "state":
+                assert not np.array_equal(bp[seg, span], base[seg, span])  # decode wrote it
+    np.testing.assert_array_equal(bp[other], bx[other])
+
+    def gathers(prims, words):
+        return sum(p == "gather" and e.params["slice_sizes"][-1] == words for p, e in prims)
+
+    def scatters(prims, words):
+        return sum(p == "scatter" and e.invars[2].aval.shape[-1] == words for p, e in prims)
+
+    args = (mm.arena.buffer, llm.runner.table(), handles, pages, lens, tokens[:, 0])
+    (xd, pd) = (
+        _primitives(jax.make_jaxpr(r._decode)(r._state, *args).jaxpr, [])
+        for r in (llm.runner, pallas)
+    )
+    lg = sp.gdn_layers
+    assert gathers(xd, sp.state_words) == lg and scatters(xd, sp.state_words) == lg
+    assert not [k for k in _kernel_names(xd) if "arena" in k]
+    assert gathers(pd, sp.state_words) == 0 and scatters(pd, sp.state_words) == 0
+    assert _kernel_names(pd) == ["gdn_recurrent_step_arena"] * lg
+    for rid in rows:
+        mm.free(rid)

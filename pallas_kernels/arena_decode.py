@@ -1,0 +1,120 @@
+"""One decode token of the gated delta rule with the recurrent states read from, and written back
+into, the serving memory arena in place (issue 5, the decode step).
+
+The arena, table and handle conventions are those of :mod:`pallas_kernels.arena`: batch row
+``b``'s f32 state ``[Hv, K, V]`` starts at word ``table[handles[b], 1] + state_offset`` of
+segment ``table[handles[b], 0]``; each program ``(b, h, j)`` loads its ``[K, block_v]`` tile of
+words with one indexed load, runs the step on it and stores it back into the aliased (donated)
+arena with one masked indexed store. No program reads another program's tile, so the update is
+race free as long as no two valid rows share a handle.
+
+Per row and value head ``h`` (key head ``h // (Hv // Hk)``), as
+:func:`gdn_jax.recurrent_gated_delta_rule` for one token::
+
+    S = exp(g) S;   u = beta (v - S^T k);   S = S + k u^T;   o = S^T q
+
+with ``q`` scaled by ``scale`` (default ``K ** -0.5``) after the optional l2norm of q and k
+(``x * rsqrt(sum(x * x) + 1e-6)``), all in f32; ``o`` has ``v``'s dtype.
+
+Rows: a handle ``< 0`` (padding) runs the step from a zero state, as the XLA engine path does
+(its state window reads zeros), and is never written; ``zero_state[b]`` (optional) starts a
+valid row from a zero state (a fresh request, whose unit holds stale bits) and still writes it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._wy import F32, L2NORM_EPS, check_heads_dims
+from pallas_kernels.arena import _check_arena, _load_state, _tile_address, _whole
+
+
+def _prep(x, use_l2norm: bool, scale: float | None = None):
+    x = x.astype(F32)
+    if use_l2norm:
+        x = x * jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
+    return x if scale is None else x * scale
+
+
+def _check_inputs(q, k, v, g, beta, block_v):
+    if k.ndim != 3:
+        raise ValueError(f"k: expected rank 3 [B, Hk, K], got shape {k.shape}")
+    b, hk, dk = k.shape
+    if q.shape != k.shape:
+        raise ValueError(f"q: shape {q.shape} must equal k's shape {k.shape} [B, Hk, K]")
+    if v.ndim != 3 or v.shape[0] != b:
+        raise ValueError(f"v: expected [B={b}, Hv, V], got shape {v.shape}")
+    hv, dv = v.shape[1:]
+    check_heads_dims(q, k, v, hk=hk, dk=dk, hv=hv, dv=dv)
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (b, hv):
+            raise ValueError(f"{name}: expected shape [B, Hv] = {(b, hv)}, got {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}: must be floating point, got {x.dtype}")
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v: a power of two >= 16, got {block_v}")
+    return b, hk, hv, dk, dv
+
+
+def recurrent_step(
+    q, k, v, g, beta, arena, table, handles, *, state_offset: int, scale: float | None = None,
+    use_qk_l2norm: bool = False, zero_state=None, block_v: int = 64, num_warps: int = 4,
+    interpret: bool = False,
+):  # fmt: skip
+    """One token of the gated delta rule per batch row on the arena's states, in place.
+
+    Args:
+      q, k: ``[B, Hk, K]``; v: ``[B, Hv, V]`` (f32, bf16 or f16; the math is f32).
+      g, beta: ``[B, Hv]`` log decay and write strength.
+      arena: ``uint32 [segments, words]`` (aliased to the second output: donate it).
+      table: ``int [handles, 2]`` handle -> ``(segment, word)`` (entries must be in bounds,
+        also the one a padding row reads through, ``table[0]``).
+      handles: ``int [B]``; ``< 0``: padding (zero state, never written).
+      state_offset: words from a unit's start to this layer's state.
+      zero_state: optional ``bool [B]``: rows that start from a zero state (still written).
+
+    Returns ``(o [B, Hv, V] in v's dtype, arena)``.
+    """
+    b, hk, hv, dk, dv = _check_inputs(q, k, v, g, beta, block_v)
+    _check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
+    if zero_state is None:
+        zero_state = jnp.zeros((b,), jnp.int32)
+    elif zero_state.shape != (b,):
+        raise ValueError(f"zero_state: expected shape [B] = ({b},), got {zero_state.shape}")
+    bv = min(block_v, dv)
+    grp = hv // hk
+    scale = dk**-0.5 if scale is None else float(scale)
+
+    def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, zs_ref, hd_ref, tab_ref, ar_ref,
+               o_ref, out_ref):  # fmt: skip
+        i, h = pl.program_id(0), pl.program_id(1)
+        ok, seg, idx = _tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
+        s = _load_state(ar_ref, (ok & (zs_ref[i] == 0), seg, idx))  # [K, bv] f32
+        qv = _prep(q_ref[...], use_qk_l2norm, scale)  # [K]
+        kv = _prep(k_ref[...], use_qk_l2norm)
+        s = s * jnp.exp(g_ref[i, h].astype(F32))
+        u = beta_ref[i, h].astype(F32) * (v_ref[...].astype(F32) - jnp.sum(kv[:, None] * s, 0))
+        s = s + kv[:, None] * u[None, :]
+        o_ref[...] = jnp.sum(qv[:, None] * s, 0).astype(o_ref.dtype)
+        words = jax.lax.bitcast_convert_type(s, jnp.uint32)
+        plt.store(out_ref.at[seg, idx], words, mask=jnp.broadcast_to(ok, idx.shape))
+
+    vec_k = pl.BlockSpec((None, None, dk), lambda i, h, j: (i, h // grp, 0))
+    vec_v = pl.BlockSpec((None, None, bv), lambda i, h, j: (i, h, j))
+    o, arena = pl.pallas_call(
+        kernel,
+        grid=(b, hv, dv // bv),
+        in_specs=[vec_k, vec_k, vec_v, *[_whole()] * 6],
+        out_specs=(vec_v, _whole()),
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype),
+                   jax.ShapeDtypeStruct(arena.shape, arena.dtype)),  # fmt: skip
+        input_output_aliases={8: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_recurrent_step_arena",
+    )(q, k, v, g.astype(F32), beta.astype(F32), zero_state.astype(jnp.int32),
+      handles.astype(jnp.int32), table.astype(jnp.int32), arena)  # fmt: skip
+    return o, arena
