@@ -8,11 +8,13 @@ CPU backend the kernels run in interpret mode, so ``impl="pallas"`` works (slowl
 Registered: ``tree_verify``, ``tree_commit`` and ``chunk_gated_delta_rule`` (the three-kernel
 prefill, :func:`pallas_kernels.chunk_gated_delta_rule_v2`). ``"auto"`` takes them on GPU where
 the H200 measurements show them faster than XLA (benchmarks/README.md): verify/commit for trees
-of at most :data:`AUTO_MAX_NODES` = 64 nodes (at N = 128 the verify kernel runs, but no faster
+of at most :data:`AUTO_MAX_NODES` = 64 nodes (the commit only from :data:`AUTO_COMMIT_MIN_ROWS`
+= 1024 rows of B x Hv) (at N = 128 the verify kernel runs, but no faster
 than XLA) with power-of-2 head dims; bf16 inputs run the verify's 3-pass dots as bf16x3, f32 inputs as tf32x3
 (the "refine" kernel: one-pass dots elsewhere, iterative refinement of U; U within 2.5e-7 of
 the XLA path on the H200). The chunked prefill for power-of-2 head dims and chunks of 16-64
-tokens (561 us against XLA's 3.77 ms and fla's 750 us at B 1, T 4096, Hv 32).
+tokens (561 us against XLA's 3.77 ms and fla's 750 us at B 1, T 4096, Hv 32; slower than fla
+at larger shapes, still far faster than XLA).
 """
 
 from __future__ import annotations
@@ -94,10 +96,20 @@ def _fits_chunk_kernel(q, k, v, chunk_size) -> bool:
 PALLAS_OPS.update(
     tree_verify=tree_verify, tree_commit=tree_commit, chunk_gated_delta_rule=chunk_gated_delta_rule
 )
+# The commit kernel is slower than XLA at N = 128 and at small B x Hv (H200, session 3: 12.5 vs
+# 5.9 us at B 1 / Hv 64, level at B 16 / Hv 32, 67.8 vs 92.8 us at B 64 / Hv 32).
+AUTO_COMMIT_MIN_ROWS = 1024  # B * Hv
+
+
+def _commit_auto(cache) -> bool:
+    b, hv = cache.u.shape[0], cache.u.shape[2]
+    return _fits_gpu_kernel(cache.k, cache.k, cache.u) and b * hv >= AUTO_COMMIT_MIN_ROWS
+
+
 # "auto" takes the kernels where they were measured faster than XLA on the H200
-# (benchmarks/README.md); the commit kernel is slower than XLA at N = 128.
+# (benchmarks/README.md).
 AUTO_PALLAS.update(
     chunk_gated_delta_rule=_fits_chunk_kernel,
     tree_verify=_fits_gpu_kernel,
-    tree_commit=lambda cache: _fits_gpu_kernel(cache.k, cache.k, cache.u),
+    tree_commit=_commit_auto,
 )

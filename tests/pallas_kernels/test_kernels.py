@@ -243,3 +243,26 @@ def test_chunk_route_matches_xla(final):
         assert rel_err(sf, sx) < 2e-5
     else:
         assert sf is None and sx is None
+
+
+def test_auto_commit_route_thresholds():
+    """``impl="auto"`` on GPU takes the Pallas commit only for N <= 64 and B x Hv >= 1024 rows
+    (where the H200 timed it faster than XLA)."""
+    import types
+
+    import jax
+
+    from gdn_jax.dispatch import AUTO_PALLAS
+    from gdn_jax.pallas_routes import AUTO_COMMIT_MIN_ROWS
+
+    def cache(b, n, hv):
+        s = jax.ShapeDtypeStruct
+        return types.SimpleNamespace(k=s((b, n, 16, 128), jnp.bfloat16),
+                                     u=s((b, n, hv, 128), jnp.float32))  # fmt: skip
+
+    fits = AUTO_PALLAS["tree_commit"]
+    assert AUTO_COMMIT_MIN_ROWS == 1024
+    assert fits(cache(64, 64, 32)) and fits(cache(16, 64, 64))
+    assert not fits(cache(1, 64, 64)) and not fits(cache(16, 64, 32))
+    assert not fits(cache(64, 128, 32))
+
