@@ -224,8 +224,12 @@ def make_requests(cell: Cell, n: int, seed: int, base_step: float) -> dict[str, 
 class Sim:
     """One policy on one request trace (see the module docstring for the scheduler)."""
 
-    def __init__(self, layout: HybridLayout, budget: int, policy: str, cell: Cell, cost):
+    def __init__(
+        self, layout: HybridLayout, budget: int, policy: str, cell: Cell, cost,
+        max_prefill_tokens: int | None = None,
+    ):  # fmt: skip
         self.mm = MemoryManager(layout, budget, policy, **POLICY_ARGS.get(policy, {}))
+        self.max_prefill_tokens = max_prefill_tokens
         self.natural = layout
         self.cell, self.cost = cell, cost
         self.lat_ns: list[int] = []
@@ -297,6 +301,9 @@ class Sim:
             # had to preempt (admitting then would only thrash).
             while waiting and self.preemptions == preempted_before:
                 r = waiting[0]
+                cap = self.max_prefill_tokens
+                if cap and prefill and prefill + int(prompt[r]) + gen[r] > cap:
+                    break  # the step's prefill token budget is spent (one prompt always fits)
                 need = max(1, -(-(int(prompt[r]) + gen[r]) // tpp))
                 try:
                     self._alloc(r, "state", 1)
@@ -433,7 +440,9 @@ def run_cell(cell: Cell, preset: dict, seed: int) -> dict:
         "policies": {},
     }
     for policy in POLICIES:
-        out["policies"][policy] = Sim(layout, budget, policy, cell, spec["cost"]).run(req)
+        out["policies"][policy] = Sim(
+            layout, budget, policy, cell, spec["cost"], preset.get("max_prefill_tokens")
+        ).run(req)
     rng = np.random.default_rng(seed)
     lat = {
         p: np.array([np.nan if x is None else x for x in m["latency_s"]])
@@ -757,6 +766,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, help="override the preset's requests per cell")
     ap.add_argument("--limit", type=int, help="run only the first LIMIT cells")
+    ap.add_argument(
+        "--max-prefill-tokens", type=int, default=None, metavar="N",
+        help="prompt tokens a step may admit (vLLM's max_num_batched_tokens, SGLang's "
+             "max_prefill_tokens; one prompt always fits); default: no limit",
+    )  # fmt: skip
     ap.add_argument("--workers", type=int, default=1, help="processes (spawned) for the cells")
     ap.add_argument(
         "--bitcast",
@@ -774,6 +788,8 @@ def main(argv: list[str] | None = None) -> dict:
     preset = dict(PRESETS[args.preset])
     if args.requests:
         preset["requests"] = args.requests
+    if args.max_prefill_tokens:
+        preset["max_prefill_tokens"] = args.max_prefill_tokens
     cells = preset.pop("cells")[: args.limit]
     t0 = time.perf_counter()
     results: list[dict | None] = [None] * len(cells)
