@@ -353,10 +353,10 @@ def bench_arena(args, bw, mm, rows):
         rng = np.random.default_rng(b * n + hv)
         perm = rng.permutation(b).astype(np.int32)  # handle h lives in segment perm[h]
         table = jnp.asarray(np.stack([perm, np.zeros(b, np.int32)], 1))
-        handles = jnp.asarray(rng.permutation(b).astype(np.int32))  # row -> handle
+        handles_np = rng.permutation(b).astype(np.int32)  # row -> handle
+        handles, seg_of_row = jnp.asarray(handles_np), perm[handles_np]
 
         def arena_of(s0):
-            seg_of_row = perm[np.asarray(handles)]
             a = jnp.zeros((b, hv * K * V), jnp.uint32)
             return a.at[seg_of_row].set(jax.lax.bitcast_convert_type(s0, jnp.uint32).reshape(b, -1))
 
@@ -382,7 +382,6 @@ def bench_arena(args, bw, mm, rows):
             blocks=cb, interpret=args.dry_run)  # fmt: skip
         got = jax.jit(arena_commit)(asets[0][6])
         want = jax.jit(dense_commit)(sets[0][6])
-        seg_of_row = perm[np.asarray(handles)]
         got = jax.lax.bitcast_convert_type(got[seg_of_row].reshape(b, hv, K, V), F32)
         row["commit_rel_diff"] = rel(got, want)
         attempt(row, "commit_dense_us", lambda: 1e6 * timed_fused(

@@ -39,12 +39,18 @@ def _fits_gpu_kernel(q, k, v) -> bool:
     return n <= AUTO_MAX_NODES and pow2(dk) and pow2(dv)
 
 
+def verify_blocks_for(q, k, v, interpret: bool) -> pallas_kernels.VerifyBlocks:
+    """The verify kernel's knobs for these inputs: its 3-pass dots as bf16x3 when q, k and v are
+    all bf16 on a GPU, else tf32x3 (default mode "refine": one-pass dots, bf16 approximate
+    inverse, two refinement steps). Shared with the serving arena's verify."""
+    low = q.dtype == k.dtype == v.dtype == jnp.bfloat16
+    return pallas_kernels.VerifyBlocks(precision="bf16x3" if low and not interpret else "tf32x3")
+
+
 def tree_verify(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2norm):
     """``(o, u, g_path)`` of the tree WY verify (see :func:`gdn_jax.tree_verify`)."""
     interpret = _interpret()
-    low = q.dtype == k.dtype == v.dtype == jnp.bfloat16
-    blocks = pallas_kernels.VerifyBlocks(precision="bf16x3" if low and not interpret else "tf32x3")
-    # (default mode "refine": one-pass dots, bf16 approximate inverse, two refinement steps)
+    blocks = verify_blocks_for(q, k, v, interpret)
     return pallas_kernels.tree_verify(
         q,
         k,

@@ -28,15 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._wy import F32, L2NORM_EPS, check_heads_dims
+from pallas_kernels._wy import F32, check_heads_dims, prep_rows
 from pallas_kernels.arena import _check_arena, _load_state, _tile_address, _whole
-
-
-def _prep(x, use_l2norm: bool, scale: float | None = None):
-    x = x.astype(F32)
-    if use_l2norm:
-        x = x * jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
-    return x if scale is None else x * scale
 
 
 def _check_inputs(q, k, v, g, beta, block_v):
@@ -93,8 +86,8 @@ def recurrent_step(
         i, h = pl.program_id(0), pl.program_id(1)
         ok, seg, idx = _tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
         s = _load_state(ar_ref, (ok & (zs_ref[i] == 0), seg, idx))  # [K, bv] f32
-        qv = _prep(q_ref[...], use_qk_l2norm, scale)  # [K]
-        kv = _prep(k_ref[...], use_qk_l2norm)
+        qv = prep_rows(q_ref[...], use_qk_l2norm, scale)  # [K]
+        kv = prep_rows(k_ref[...], use_qk_l2norm)
         s = s * jnp.exp(g_ref[i, h].astype(F32))
         u = beta_ref[i, h].astype(F32) * (v_ref[...].astype(F32) - jnp.sum(kv[:, None] * s, 0))
         s = s + kv[:, None] * u[None, :]

@@ -56,10 +56,9 @@ from serving.memory.layout import WORD_BYTES
 
 _MODE = lax.GatherScatterMode.FILL_OR_DROP
 KERNEL_CHOICES = ("xla", "pallas", "auto")
-# As gdn_jax.pallas_routes.AUTO_MAX_NODES: "auto" takes the tree kernels up to 64 nodes (where
-# the dense kernels were measured faster than XLA on the H200); an explicit "pallas" up to
-# pallas_kernels.MAX_NODES (128).
-AUTO_MAX_NODES = 64
+# "auto" takes the tree kernels up to gdn_jax.pallas_routes.AUTO_MAX_NODES nodes (where the dense
+# kernels were measured faster than XLA on the H200); an explicit "pallas" up to
+# pallas_kernels.MAX_NODES.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +251,7 @@ def select_kernels(
     if kernels == "auto" and backend != "gpu":
         return XLA_KERNELS, (f"kernels='auto' on the {backend} backend: the arena Pallas "
                              "kernels (Triton) are taken on GPU only",)  # fmt: skip
+    from gdn_jax.pallas_routes import AUTO_MAX_NODES
     from pallas_kernels import MAX_NODES
 
     interpret = backend != "gpu"
@@ -417,14 +417,13 @@ class ArenaCache:
         kn = self.kernels
         if not kn.gdn or not kn.takes(n, "GDN tree verify"):
             return None
-        from pallas_kernels import VerifyBlocks
+        from gdn_jax.pallas_routes import verify_blocks_for
         from pallas_kernels import arena as pa
 
         sp = self.spec
 
         def rule(q, k, v, g, beta, parents, *, use_qk_l2norm: bool):
-            low = q.dtype == k.dtype == v.dtype == jnp.bfloat16
-            blocks = VerifyBlocks(precision="bf16x3" if low and not kn.interpret else "tf32x3")
+            blocks = verify_blocks_for(q, k, v, kn.interpret)
             o, u, g_path = pa.tree_verify(
                 q, k, v, g, beta, parents, self.buffer, self._kernel_table(),
                 self._kernel_handles(), state_offset=sp.state_offset + gi * sp.state_words,
