@@ -13,7 +13,10 @@ states back; the storage is donated so every write is in place. Three storages:
 - ``arena``: the engine's arena path: a real ``MemoryManager`` arena (``uint32``) with each
   row's ``state`` handle translated through the device table, every layer's state read as a
   word window and bitcast (``serving.memory.model_cache.ArenaCache.gdn_state`` /
-  ``with_gdn_state``, the code the engine runs).
+  ``with_gdn_state``, the code the engine runs);
+- ``arena_kernel``: the same arena, the recurrent state read and written in place by the
+  Pallas decode kernel (``ArenaCache.gdn_step_rule``, i.e. ``LLM(kernels="pallas")``; interpret
+  mode off GPU), the conv state still through the word windows.
 
 Reported per batch size: median seconds of the jitted step over ``--reps`` calls (after a
 warm-up), the bytes the step must move (read + write of every state), the rate achieved, the
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gdn_jax import recurrent_gated_delta_rule  # noqa: E402
 from serving.memory import MemoryManager, OutOfMemoryError, layout_for  # noqa: E402
-from serving.memory.model_cache import ArenaCache, ArenaSpec  # noqa: E402
+from serving.memory.model_cache import ArenaCache, ArenaKernels, ArenaSpec  # noqa: E402
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3_5_35b_a3b.json"
 
@@ -107,7 +110,7 @@ def make_inputs(key, layers, b, spec: ArenaSpec, hk: int):
 
 
 def build(spec: ArenaSpec, layers: int):
-    """The three jitted steps (storage donated, returned updated) and their initialisers."""
+    """The four jitted steps (storage donated, returned updated) and their initialisers."""
 
     def layer_inputs(inputs, i):
         return [a[i] for a in inputs]
@@ -140,11 +143,27 @@ def build(spec: ArenaSpec, layers: int):
             cache, acc = cache.with_gdn_state(i, c, s), acc + a
         return cache.buffer, acc
 
-    return (
-        jax.jit(native, donate_argnums=0),
-        jax.jit(pooled, donate_argnums=0),
-        jax.jit(arena, donate_argnums=0),
-    )
+    kernels = ArenaKernels(decode=True, interpret=jax.default_backend() != "gpu")
+
+    def arena_kernel(buf, *inputs, table, handles):
+        b = handles.shape[0]
+        cache = ArenaCache(
+            buf, table, handles, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), spec,
+            kernels,
+        )  # fmt: skip
+        acc = jnp.float32(0)
+        for i in range(layers):
+            q, k, v, g, beta, x = layer_inputs(inputs, i)
+            conv = cache.gdn_conv_state(i)
+            o, cache = cache.gdn_step_rule(i)(
+                q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], use_qk_l2norm=True
+            )
+            new_conv = jnp.concatenate([conv[:, 1:], x[:, None].astype(conv.dtype)], axis=1)
+            a = jnp.sum(o, dtype=jnp.float32) + jnp.sum(new_conv[:, -1], dtype=jnp.float32) * 1e-3
+            cache, acc = cache.with_gdn_conv_state(i, new_conv), acc + a
+        return cache.buffer, acc
+
+    return tuple(jax.jit(f, donate_argnums=0) for f in (native, pooled, arena, arena_kernel))
 
 
 def run(args) -> list[dict]:
@@ -153,7 +172,7 @@ def run(args) -> list[dict]:
     spec = ArenaSpec.from_layout(layout, jnp.bfloat16)
     lg = spec.gdn_layers
     hv, kd, vd = spec.state_shape
-    native_j, pooled_j, arena_j = build(spec, lg)
+    native_j, pooled_j, arena_j, kernel_j = build(spec, lg)
     slot_bytes = lg * (hv * kd * vd * 4 + int(np.prod(spec.conv_shape)) * 2)
     bw = copy_bandwidth(min(1 << 30, max(64 << 20, 4 * slot_bytes)), args.reps)
     rows = []
@@ -185,9 +204,18 @@ def run(args) -> list[dict]:
             mm.write("state", h, conv0[:, i], field="conv")
         table = mm.device_table()
         buf, mm.arena.buffer = mm.arena.buffer, None
+        first = jnp.copy(buf)
         times["arena"] = median_time(
             functools.partial(arena_j, table=table, handles=live), buf, inputs, args.reps
         )
+        # the kernel path from the same starting arena; one step of each must agree
+        step = functools.partial(arena_j, table=table, handles=live)
+        ref_buf, ref_acc = step(jnp.copy(first), *inputs)
+        kstep = functools.partial(kernel_j, table=table, handles=live)
+        k_buf, k_acc = kstep(jnp.copy(first), *inputs)
+        row_err = float(jnp.abs(k_acc - ref_acc) / jnp.maximum(jnp.abs(ref_acc), 1e-6))
+        del ref_buf, k_buf
+        times["arena_kernel"] = median_time(kstep, first, inputs, args.reps)
         del buf, mm
         moved = 2 * b * slot_bytes
         row = dict(
@@ -199,6 +227,8 @@ def run(args) -> list[dict]:
         row["pooled_over_native"] = times["pooled"] / times["native"]
         row["arena_over_native"] = times["arena"] / times["native"]
         row["arena_over_pooled"] = times["arena"] / times["pooled"]
+        row["kernel_over_arena"] = times["arena_kernel"] / times["arena"]
+        row["kernel_rel_err_vs_arena"] = row_err
         rows.append(row)
         print(f"batch {b}: done", file=sys.stderr)
     return rows
@@ -207,16 +237,18 @@ def run(args) -> list[dict]:
 def table(rows: list[dict], device: str) -> str:
     head = (
         "| batch | GDN layers | state bytes / step | floor ms | native ms | pooled ms "
-        "| arena ms | arena GB/s | pooled / native | arena / native | arena / pooled |"
+        "| arena ms | arena GB/s | pooled / native | arena / native | arena / pooled "
+        "| arena kernel ms | kernel / arena | kernel rel err |"
     )
-    lines = [f"device: {device}", head, "|" + " --- |" * 11]
+    lines = [f"device: {device}", head, "|" + " --- |" * 14]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['gdn_layers']} | {r['bytes_moved'] / 2**20:.0f} MiB "
             f"| {1e3 * r['floor_s']:.2f} | {1e3 * r['native_s']:.2f} "
             f"| {1e3 * r['pooled_s']:.2f} | {1e3 * r['arena_s']:.2f} | {r['arena_GBps']:.1f} "
             f"| {r['pooled_over_native']:.2f} | {r['arena_over_native']:.2f} "
-            f"| {r['arena_over_pooled']:.2f} |"
+            f"| {r['arena_over_pooled']:.2f} | {1e3 * r['arena_kernel_s']:.2f} "
+            f"| {r['kernel_over_arena']:.2f} | {r['kernel_rel_err_vs_arena']:.1e} |"
         )
     return "\n".join(lines)
 

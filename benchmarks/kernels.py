@@ -9,6 +9,8 @@ that runs the op on ``R`` distinct input sets back to back (rotating inputs past
 amortising the host dispatch), divided by ``R``. Verify and commit run the ``R`` sets inside one
 jitted program (:func:`timed_fused`: one dispatch, kernels back to back, as the layers of a model
 step), so small launches are timed on the device, not on the host's dispatch rate.
+``--verify-split`` also times the two-kernel verify (:func:`pallas_kernels.tree_verify_split`)
+next to the fused one (columns ``pallas_split_us``, ``split_over_fused``).
 
     python benchmarks/kernels.py --json results.json
 """
@@ -233,6 +235,48 @@ def pallas_verify(*a, bl):
     return pk.tree_verify(*a[:7], use_qk_l2norm=True, blocks=bl, ancestors=anc)
 
 
+def check_split(b, n, hv, bl) -> float:
+    """Largest relative error vs XLA (o and u) of the two-kernel verify, random tree and chain."""
+    fx = jax.jit(lambda *a: xla_verify(*a, use_qk_l2norm=True, impl="xla"))
+    fs = jax.jit(functools.partial(split_verify, bl=bl))
+    errs = []
+    for chain in (False, True):
+        inp = tree_inputs(100 + chain, b, n, hv, chain)
+        ox, cx = fx(*inp)
+        os_, us, _ = fs(*inp, pk.ancestor_mask(inp[5]))
+        errs.append(max(rel(os_, ox), rel(us, cx.u)))
+    return max(errs)
+
+
+def split_verify(*a, bl):
+    """The two-kernel Pallas verify of one input set (+ its ancestor mask, as :func:`pallas_verify`)."""
+    anc = a[7] if bl.ancestors_input else None
+    return pk.tree_verify_split(*a[:7], use_qk_l2norm=True, blocks=bl, ancestors=anc)
+
+
+def bench_verify_split(args, row, sets, csets):
+    """``--verify-split``: the two-kernel verify on the same input sets as the fused one."""
+    b, n, hv = row["B"], row["N"], row["Hv"]
+    split_blocks = parse_blocks(args.verify_split, pk.SplitVerifyBlocks)
+    for i, bl in enumerate(split_blocks):
+        attempt(row, f"split_rel_err{i}", lambda bl=bl: check_split(b, n, hv, bl))
+        attempt(row, f"pallas_split{i}_us", lambda bl=bl: 1e6 * timed_fused(
+            functools.partial(split_verify, bl=bl), sets, args.reps))  # fmt: skip
+    times = [row.get(f"pallas_split{i}_us", 1e30) for i in range(len(split_blocks))]
+    row["pallas_split_us"] = min(times)
+    row["split_best_variant"] = times.index(min(times))
+    if f"split_rel_err{row['split_best_variant']}" in row:
+        row["split_rel_err_vs_xla"] = row[f"split_rel_err{row['split_best_variant']}"]
+    if csets is not None:
+        bl = split_blocks[row["split_best_variant"]]
+        attempt(row, "pallas_split_chain_us", lambda: 1e6 * timed_fused(
+            functools.partial(split_verify, bl=bl), csets, args.reps))  # fmt: skip
+    if row["pallas_split_us"] < 1e30:
+        row["split_over_floor"] = row["pallas_split_us"] / row["floor_us"]
+        if row.get("pallas_us", 1e30) < 1e30:
+            row["split_over_fused"] = row["pallas_split_us"] / row["pallas_us"]
+
+
 def bench_verify(args, bw, mm, rows):
     blocks = parse_blocks(args.verify_blocks, pk.VerifyBlocks)
     for hv, b, n in args.configs:
@@ -262,12 +306,15 @@ def bench_verify(args, bw, mm, rows):
                 row["pallas_us"] = min(row.get(f"pallas{i}_us", 1e30) for i in range(len(blocks)))
                 row["best_variant"] = min(
                     range(len(blocks)), key=lambda i: row.get(f"pallas{i}_us", 1e30))
+                csets = None
                 if args.chains:  # the deepest tree: every doubling of the depth-adaptive inverse
                     csets = [tree_inputs(s, b, n, hv, chain=True) for s in range(r)]
                     csets = [(*x, pk.ancestor_mask(x[5])) for x in csets]
                     bl = blocks[row["best_variant"]]
                     attempt(row, "pallas_chain_us", lambda bl=bl: 1e6 * timed_fused(
                         functools.partial(pallas_verify, bl=bl), csets, args.reps))  # fmt: skip
+                if args.verify_split:
+                    bench_verify_split(args, row, sets, csets)
                 if not args.no_xla:
                     attempt(row, "xla_us", lambda: 1e6 * timed_fused(
                         lambda *a: xla_verify(*a[:7], use_qk_l2norm=True, impl="xla")[0],
@@ -580,6 +627,12 @@ def main(argv=None):
         "--verify-blocks", action="append", default=[],
         help="VerifyBlocks fields, e.g. 'block_v=128,num_warps=8,precision=tf32x3'; repeatable",
     )  # fmt: skip
+    p.add_argument(
+        "--verify-split", action="append", nargs="?", const="", default=[],
+        help="also time the two-kernel verify (pk.tree_verify_split) next to the fused one; an\n"
+        "optional SplitVerifyBlocks spec, e.g. 'block_v=128,num_warps_b=8,precision=bf16x3';\n"
+        "repeatable (variants; the bare flag: default knobs)",
+    )  # fmt: skip
     p.add_argument("--commit-blocks", action="append", default=[])
     p.add_argument("--chunk-blocks", action="append", default=[])
     p.add_argument(
@@ -632,7 +685,7 @@ def main(argv=None):
     log("measuring bandwidth and matmul rate")
     if args.dry_run:
         for name in ("tree_verify", "tree_commit", "snapshot_verify", "chunk_gated_delta_rule",
-                     "chunk_gated_delta_rule_v2"):  # fmt: skip
+                     "chunk_gated_delta_rule_v2", "tree_verify_split"):  # fmt: skip
             setattr(pk, name, functools.partial(getattr(pk, name), interpret=True))
     bw = measure_bandwidth(args.reps, 1 << 20 if args.dry_run else 256 << 20)
     mm = measure_matmul(args.reps, 256 if args.dry_run else 8192)
@@ -665,8 +718,10 @@ def main(argv=None):
         print(table(vr, ["Hv", "B", "N", *stages, "pallas0_us"]))
     if vr:
         print("\n## tree_verify (us per layer)\n")
-        print(table(vr, ["Hv", "B", "N", "pallas_us", "pallas_chain_us", "xla_us", "snapshot_us",
-                         "floor_us",
+        split_cols = (["pallas_split_us", "split_over_fused", "split_rel_err_vs_xla"]
+                      if args.verify_split else [])  # fmt: skip
+        print(table(vr, ["Hv", "B", "N", "pallas_us", *split_cols, "pallas_chain_us", "xla_us",
+                         "snapshot_us", "floor_us",
                          "pallas_over_floor", "snapshot_over_pallas", "rel_err_vs_xla",
                          "best_variant"]))  # fmt: skip
         nv = max(len(args.verify_blocks), 1)
@@ -676,6 +731,15 @@ def main(argv=None):
                 print(f"- variant {i}: {spec}")
             cols = [f"pallas{i}_us" for i in range(nv)] + [f"rel_err{i}" for i in range(1, nv)]
             print(table(vr, ["Hv", "B", "N", *cols]))
+        ns = len(args.verify_split)
+        if ns:
+            print("\n## tree_verify_split: two kernels vs fused (us; rel err vs XLA)\n")
+            for i, spec in enumerate(args.verify_split):
+                print(f"- split variant {i}: {spec or '(default SplitVerifyBlocks)'}")
+            cols = [f"pallas_split{i}_us" for i in range(ns)]
+            cols += [f"split_rel_err{i}" for i in range(ns)]
+            print(table(vr, ["Hv", "B", "N", "pallas_us", *cols, "pallas_split_chain_us",
+                             "split_over_fused", "split_over_floor", "floor_us"]))  # fmt: skip
         print("\n## speculative memory per draft node, one layer (bytes)\n")
         mem = {(r["Hv"]): r for r in vr}
         print("| Hv | WY (U, k, G, parent) | snapshot (K x V state) | ratio |\n|---|---|---|---|")

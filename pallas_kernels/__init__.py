@@ -41,3 +41,8 @@ __all__ += ["ChunkV2Blocks", "chunk_gated_delta_rule_v2"]
 from pallas_kernels.arena_decode import recurrent_step as arena_recurrent_step  # noqa: E402
 
 __all__ += ["arena_recurrent_step"]
+
+# The tree verify in two kernels (per-head N x N matrices, then the value columns): an experiment.
+from pallas_kernels.tree_verify_split import SplitVerifyBlocks, tree_verify_split  # noqa: E402
+
+__all__ += ["SplitVerifyBlocks", "tree_verify_split"]

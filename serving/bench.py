@@ -83,6 +83,7 @@ def run(
     max_tokens: int = 64,
     max_num_seqs: int = 8,
     dtype: str = "float32",
+    kernels: str = "auto",
     json_path: str | None = None,
     progress: bool = True,
 ) -> list[dict]:
@@ -104,6 +105,7 @@ def run(
         max_model_len=prompt_len + max_tokens + 16,
         prefill_chunk=64,
         dtype=dtype,
+        kernels=kernels,
     )
     params = SamplingParams(max_tokens=max_tokens)
     rows = []
@@ -123,6 +125,7 @@ def run(
         rows.append(
             dict(
                 method=name,
+                kernels=getattr(llm.runner, "kernels", "xla"),
                 nodes=spec.num_nodes if spec else 1,
                 throughput_tok_s=sum(len(o.token_ids) for o in outs) / wall,
                 ttft_ms=1e3 * float(np.mean([o.metrics["ttft_s"] for o in outs])),
@@ -147,7 +150,7 @@ def run(
 
 def table(rows: list[dict], method: str) -> str:
     head = (
-        f"| method ({method} drafter) | nodes | tok/s | TTFT ms | TPOT ms | mean accept len "
+        f"| method ({method} drafter, {rows[0]['kernels']} kernels) | nodes | tok/s | TTFT ms | TPOT ms | mean accept len "
         "| spec memory / request | spec memory / batch | same tokens |"
     )
     lines = [head, "|" + " --- |" * 9]

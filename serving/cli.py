@@ -122,6 +122,7 @@ def _bench(args) -> None:
         max_tokens=args.max_tokens,
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
+        kernels=args.kernels,
         json_path=args.json,
     )
 
@@ -195,6 +196,14 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-seqs", type=int, default=8, help="batch rows (default: 8)")
     b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     b.add_argument("--json", default=None, help="also write the rows as JSON here")
+    b.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "pallas", "xla"),
+        help="the engines' kernels (LLM(kernels=...)): 'auto' takes the arena Pallas kernels "
+        "on GPU, 'pallas' everywhere (interpret mode off GPU: slow), 'xla' none "
+        "(default: %(default)s)",
+    )
     b.add_argument(
         "--compile-cache",
         default=CACHE,

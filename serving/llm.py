@@ -95,9 +95,9 @@ class LLM:
         slots exist once). ``"pools"``: the engine's own per-layer pools, the manager only
         accounting (the cache is then held twice; kept as a reference for tests).
       kernels: how the arena cache's steps run (``cache="arena"`` only): ``"auto"``
-        (default: on GPU the Pallas kernels that read the arena in place for tree verify,
-        commit and tree attention; XLA elsewhere and for decode), ``"pallas"`` (those kernels
-        plus the Pallas GDN decode step, everywhere; interpret mode off GPU) or ``"xla"``;
+        (default: on GPU the Pallas kernels that read the arena in place: tree verify,
+        commit, the GDN decode step and paged attention; XLA on other backends),
+        ``"pallas"`` (the same kernels everywhere; interpret mode off GPU) or ``"xla"``;
         see :class:`serving.runner.ArenaRunner`.
     """
 

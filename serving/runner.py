@@ -176,8 +176,10 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
     decode, commit); ``verify`` only reads it. ``kernels`` picks XLA or the in-place Pallas
     kernels for verify and commit, and for decode's GDN layers when ``kernels.decode``
-    (:func:`_arena_decode_program`); prefill always runs on XLA, so it (and the XLA decode) is
-    shared by every ``kernels`` choice (:func:`_arena_sequence_programs`)."""
+    (:func:`_arena_decode_program`); prefill and decode take the attention kernel when
+    ``kernels.attention`` (their GDN layers stay on XLA windows unless ``kernels.decode``), so
+    those programs are shared by every ``kernels`` choice with the same attention choice
+    (:func:`_arena_sequence_programs`)."""
 
     def cache_of(buf, table, handles, pages, lengths):
         return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
@@ -199,7 +201,7 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
         cache = cache_of(buf, table, handles, pages, lengths)
         return steps.commit(cache, tree, path, path_len).buffer
 
-    prefill, decode = _arena_sequence_programs(graphdef, spec)
+    prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels))
     if kernels.decode:
         decode = _arena_decode_program(graphdef, spec, kernels)
     return (
@@ -210,12 +212,21 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
     )
 
 
+def _attention_only(kernels: ArenaKernels) -> ArenaKernels:
+    """The part of ``kernels`` that prefill (and the XLA-GDN decode) use: the paged attention
+    kernel (:func:`pallas_kernels.arena_attention.paged_attention`) or none."""
+    if not kernels.attention:
+        return XLA_KERNELS
+    return ArenaKernels(attention=True, interpret=kernels.interpret, strict=kernels.strict)
+
+
 @functools.cache
-def _arena_sequence_programs(graphdef, spec: ArenaSpec):
-    """Prefill and decode over the arena (XLA windows; ``buf`` donated and returned)."""
+def _arena_sequence_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS):
+    """Prefill and decode over the arena (``buf`` donated and returned): XLA windows, the
+    attention layers by the in-place paged attention kernel when ``kernels.attention``."""
 
     def cache_of(buf, table, handles, pages, lengths):
-        return ArenaCache(buf, table, handles, pages, lengths, spec)
+        return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
 
     def prefill(state, buf, table, handles, pages, lengths, tokens, num_tokens):
         m = nnx.merge(graphdef, state)
@@ -229,7 +240,7 @@ def _arena_sequence_programs(graphdef, spec: ArenaSpec):
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, cache.buffer
 
-    return jax.jit(prefill, donate_argnums=1), _arena_decode_program(graphdef, spec, XLA_KERNELS)
+    return jax.jit(prefill, donate_argnums=1), _arena_decode_program(graphdef, spec, kernels)
 
 
 @functools.cache
@@ -237,7 +248,8 @@ def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels):
     """Decode over the arena (``buf`` donated and returned): one token through
     :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run
     :func:`pallas_kernels.arena_decode.recurrent_step` on the states in place
-    (``ArenaCache.gdn_step_rule``), else XLA state windows."""
+    (``ArenaCache.gdn_step_rule``), else XLA state windows; with ``kernels.attention`` its
+    attention layers read the KV pages in place (``ArenaCache.attention``)."""
 
     def decode(state, buf, table, handles, pages, lengths, tokens):
         m = nnx.merge(graphdef, state)
@@ -270,8 +282,10 @@ class ArenaRunner:
       layer's pages; scatters of the committed states);
     - ``"pallas"``: the Pallas kernels read the arena in place through the handle table: the
       GDN tree verify (:func:`pallas_kernels.arena.tree_verify`), the tree attention over the
-      KV pages (:func:`pallas_kernels.arena_attention.tree_attention`), the GDN commit
-      (:func:`pallas_kernels.arena.tree_commit`, the arena aliased, so in place) and
+      KV pages (:func:`pallas_kernels.arena_attention.tree_attention`; prefill's and
+      decode's causal attention by :func:`pallas_kernels.arena_attention.paged_attention`),
+      the GDN commit (:func:`pallas_kernels.arena.tree_commit`, the arena aliased, so in
+      place) and
       :meth:`decode`'s GDN layers (:func:`pallas_kernels.arena_decode.recurrent_step`, in
       place); in interpret mode off GPU. A geometry the kernels do not take (``page_size`` / ``head_dim`` not a
       power of two >= 16, GDN head dims not a power of two in [16, 256], a non-f32 recurrent
@@ -279,11 +293,13 @@ class ArenaRunner:
       nodes when verified;
     - ``"auto"`` (default): ``"pallas"`` on a GPU backend for the parts whose geometry fits
       (and trees of at most 64 nodes), XLA otherwise; ``kernel_notes`` says why a part stayed
-      on XLA. Decode stays on XLA with ``"auto"`` (the decode kernel is not measured on GPU).
+      on XLA. Decode's GDN layers take the decode kernel too (measured 1.6-2.8x faster than
+      XLA's state windows on the H200, ``benchmarks/arena_read.py``); its attention layers take
+      the paged attention kernel as prefill's do.
 
-    Not wired to the kernels on any setting: :meth:`prefill` (chunked GDN and causal attention
-    over XLA windows), decode's attention layers, the snapshot verify method, the conv state (a
-    small ``(W-1) x C`` window per layer) and the accepted nodes' K/V writes.
+    Not wired to the kernels on any setting: :meth:`prefill`'s chunked GDN (XLA windows), the
+    snapshot verify method, the conv state (a small ``(W-1) x C`` window per layer) and the
+    K/V writes (new tokens', accepted nodes').
     """
 
     def __init__(self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto"):

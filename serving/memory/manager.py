@@ -16,8 +16,12 @@ ordered scans make every choice).
 Host cost: the allocation path does no numpy or jax work. Per handle it keeps a slot
 (``segment * max_units + unit``) and an owner ``(request, kind)`` in Python lists; free units
 are per-segment stacks and free handles one stack, taken and returned by slices; a pool finds
-its next segment in a heap. The translation table is brought up to date in one batch, from the
-handles changed since the last time, only when it is read.
+its next segment in a heap. An allocation that acquires segments is batched
+(``_acquire_and_take``): it takes every free unit the pool had, then fills the new segments in
+plan order, so they get their final state at once instead of entering the pool's heap and
+``empty`` set only to leave them again (the same layout, with a fraction of the per-segment
+work). The translation table is brought up to date in one batch, from the handles changed since
+the last time, only when it is read.
 """
 
 from __future__ import annotations
@@ -110,18 +114,6 @@ class _ShadowPool:
         return -(-self.live // self.units_per_segment)
 
 
-def _heap_top(heap: list[int], seg_key: list[int], nseg: int) -> int:
-    """The segment at the top of a pool's fill heap, dropping stale entries (a key no longer
-    equal to its segment's current key)."""
-    key = heap[0]
-    seg = key % nseg
-    while seg_key[seg] != key:
-        heapq.heappop(heap)
-        key = heap[0]
-        seg = key % nseg
-    return seg
-
-
 class _Shadow:
     """Host bookkeeping copied for :meth:`MemoryManager.fits_all`: replays allocations exactly
     as the manager would (same plans, same evacuation targets, same unit placement) without
@@ -142,16 +134,19 @@ class _Shadow:
         live, ups = self.seg_live, pool.units_per_segment
 
         def place(p, segs, count):
-            """Fill ``count`` units into ``segs`` of pool ``p`` in its fill order."""
-            for dest in p.fill_order(segs):
+            """Fill ``count`` units into ``segs`` of pool ``p`` in its fill order (only the
+            segments with room are ordered: the others take nothing)."""
+            if not count:
+                return
+            u = p.units_per_segment
+            for dest in p.fill_order([s for s in segs if live[s] < u]):
+                k = min(count, u - live[dest])
+                if live[dest] == 0:
+                    p.empty.discard(dest)
+                live[dest] += k
+                count -= k
                 if not count:
                     break
-                k = min(count, p.units_per_segment - live[dest])
-                if k > 0:
-                    if live[dest] == 0:
-                        p.empty.discard(dest)
-                    live[dest] += k
-                    count -= k
 
         if pool.free_units < n:
             need = -(-(n - pool.free_units) // ups)
@@ -306,7 +301,7 @@ class MemoryManager:
             raise ValueError(f"n must be a positive int, got {n!r}")
         if pool.free_units >= n:
             return True
-        if n > self.capacity(kind):
+        if n > self._group_size[pool.group] * pool.units_per_segment:
             return False
         need = -(-(n - pool.free_units) // pool.units_per_segment)
         return self.policy.plan(self, pool, need) is not None
@@ -353,7 +348,7 @@ class MemoryManager:
         if n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         if pool.free_units < n:
-            if n > self.capacity(kind):
+            if n > self._group_size[pool.group] * pool.units_per_segment:
                 raise AllocationTooLargeError(
                     f"n={n} units of kind {kind!r} exceed the arena's capacity under policy "
                     f"{self.policy.name!r} ({self.capacity(kind)} units)")
@@ -363,9 +358,11 @@ class MemoryManager:
                 raise OutOfMemoryError(
                     f"cannot allocate n={n} units of kind {kind!r} for request {request_id!r}: "
                     f"{pool.free_units} free in its pool and no {need} segment(s) to migrate")
-            self._acquire(pool, plan)
-        kind_id = self._kind_id[kind]
-        out = self._take_units(pool, (request_id, kind_id), n)
+            kind_id = self._kind_id[kind]
+            out = self._acquire_and_take(pool, plan, (request_id, kind_id), n)
+        else:
+            kind_id = self._kind_id[kind]
+            out = self._take_units(pool, (request_id, kind_id), n)
         held = self._requests.get(request_id)
         if held is None:
             self._requests[request_id] = out.copy()
@@ -379,46 +376,73 @@ class MemoryManager:
     def _take_units(self, pool: Pool, owner: tuple[Hashable, int], n: int) -> list[int]:
         """Take ``n`` free units of ``pool`` (the caller made sure they exist), oldest
         segment first, a whole segment's worth at a time (slices of the free stacks)."""
-        free_handles, seg_live, seg_free = self._free_handles, self.seg_live, self.seg_free
-        seg_key, heap, nseg = self._seg_key, pool.heap, self.num_segments
-        ups, h_slot = pool.units_per_segment, self._h_slot
+        free_handles, h_slot = self._free_handles, self._h_slot
         out = free_handles[-n:]
         del free_handles[-n:]
         out.reverse()  # never-used handles come out lowest first
         if n == 1:
-            seg = _heap_top(heap, seg_key, nseg)
+            seg_live, seg_key, heap = self.seg_live, self._seg_key, pool.heap
+            nseg = self.num_segments
+            key = heap[0]
+            seg = key % nseg
+            while seg_key[seg] != key:  # stale entry (see Pool)
+                heapq.heappop(heap)
+                key = heap[0]
+                seg = key % nseg
             live = seg_live[seg]
             if live == 0:
                 pool.empty.discard(seg)
             seg_live[seg] = live + 1
-            if live + 1 == ups:
+            if live + 1 == pool.units_per_segment:
                 heapq.heappop(heap)
                 seg_key[seg] = -1
             h = out[0]
-            h_slot[h] = seg_free[seg].pop()
+            h_slot[h] = self.seg_free[seg].pop()
             self._h_owner[h] = owner
         else:
+            # Whole segments at a time, in the pool's fill order (heap order): each one's free
+            # stack from the top.
+            seg_live, seg_free, seg_key = self.seg_live, self.seg_free, self._seg_key
+            heap, nseg, ups = pool.heap, self.num_segments, pool.units_per_segment
+            heappop, empty, left = heapq.heappop, pool.empty, n
             slots: list[int] = []
-            left = n
-            while left:
-                seg = _heap_top(heap, seg_key, nseg)
-                live = seg_live[seg]
-                if live == 0:
-                    pool.empty.discard(seg)
-                free = seg_free[seg]
-                if left >= ups - live:  # the rest of the segment
-                    heapq.heappop(heap)
+            if ups == 1:  # one unit per segment (state slots): each segment leaves the heap
+                for _ in range(n):
+                    key = heappop(heap)
+                    seg = key % nseg
+                    while seg_key[seg] != key:  # stale entry (see Pool)
+                        key = heappop(heap)
+                        seg = key % nseg
                     seg_key[seg] = -1
-                    seg_live[seg] = ups
-                    left -= ups - live
-                    free.reverse()  # top of the stack first
-                    slots += free
+                    seg_live[seg] = 1
+                    empty.discard(seg)
+                    slots += seg_free[seg]
                     seg_free[seg] = []
-                else:
-                    seg_live[seg] = live + left
-                    slots += free[:-left - 1:-1]  # the top ``left``, top first
-                    del free[-left:]
-                    left = 0
+            else:
+                while left:
+                    key = heap[0]
+                    seg = key % nseg
+                    while seg_key[seg] != key:  # stale entry (see Pool)
+                        heappop(heap)
+                        key = heap[0]
+                        seg = key % nseg
+                    live = seg_live[seg]
+                    if live == 0:
+                        empty.discard(seg)
+                    free = seg_free[seg]
+                    if left >= ups - live:  # the rest of the segment
+                        heappop(heap)
+                        seg_key[seg] = -1
+                        seg_live[seg] = ups
+                        left -= ups - live
+                        free.reverse()  # top of the stack first
+                        slots += free
+                        seg_free[seg] = []
+                    else:
+                        seg_live[seg] = live + left
+                        slots += free[: -left - 1 : -1]  # the top ``left``, top first
+                        del free[-left:]
+                        left = 0
             h_owner = self._h_owner
             for h, slot in zip(out, slots, strict=True):
                 h_slot[h] = slot
@@ -431,6 +455,150 @@ class MemoryManager:
         pool.live += n
         pool.free_units -= n
         return out
+
+    def _acquire_and_take(
+        self, pool: Pool, segs: list[int], owner: tuple[Hashable, int], n: int
+    ) -> list[int]:
+        """``_acquire(pool, segs)`` then ``_take_units(pool, owner, n)``, with the same result,
+        batched: the pool's ``free`` free units come first (its existing segments rank below
+        any new one), then the new segments in plan order (their ranks), each filled whole but
+        the last, which a minimal plan leaves with at least one unit. So the new segments
+        never enter ``empty`` and only the last one, if it keeps a free unit, enters the heap;
+        the others get their final state at once."""
+        if n == 1 and len(segs) == 1:
+            return self._acquire_one(pool, segs[0], owner)
+        free = pool.free_units
+        ups, index = pool.units_per_segment, pool.index
+        seg_owner, seg_live = self.seg_owner, self.seg_live
+        owners = [seg_owner[s] for s in segs]
+        if len(segs) != -(-(n - free) // ups) or index in owners:
+            self._acquire(pool, segs)  # not a minimal plan of foreign segments: generic path
+            return self._take_units(pool, owner, n)
+        if any([seg_live[s] for s in segs]):
+            taking = set(segs)
+            busy = [s for s in segs if seg_live[s]]
+            for victim in self.pools:
+                moving = [s for s in busy if seg_owner[s] == victim.index]
+                if moving:
+                    self._evacuate(victim, moving, taking)
+        stolen = len(segs)
+        if -1 in owners:
+            from_unowned = [s for s, o in zip(segs, owners, strict=True) if o == -1]
+            stolen -= len(from_unowned)
+            group = self.unowned[pool.group]
+            if group[: len(from_unowned)] == from_unowned:  # the policies take a prefix
+                del group[: len(from_unowned)]
+            else:
+                for s in from_unowned:
+                    self.unowned[self.seg_group[s]].remove(s)
+        self.migrations += stolen
+        pool.owned.update(segs)
+
+        free_handles = self._free_handles
+        out = free_handles[-n:]
+        del free_handles[-n:]
+        out.reverse()  # never-used handles come out lowest first
+        seg_key, seg_free, stride = self._seg_key, self.seg_free, self._max_units
+        slots: list[int] = []
+        if free:
+            # Every free unit of the pool goes: the segments with a valid heap entry, in key
+            # order, each emptied of its free stack (top first); the heap keeps only stale
+            # entries, so it is dropped whole.
+            heap, nseg = pool.heap, self.num_segments
+            taken = [k % nseg for k in sorted({k for k in heap if seg_key[k % nseg] == k})]
+            for seg in taken:
+                slots += seg_free[seg][::-1]
+                seg_free[seg] = []
+                seg_live[seg] = ups
+                seg_key[seg] = -1
+            pool.empty.difference_update(taken)
+            heap.clear()
+        r, rank, last, pools = self._next_rank, self.seg_rank, segs[-1], self.pools
+        for s, old in zip(segs, owners, strict=True):
+            if old != -1:
+                victim = pools[old]
+                victim.owned.discard(s)
+                victim.empty.discard(s)
+                victim.free_units -= victim.units_per_segment
+            seg_owner[s] = index
+            rank[s] = r
+            r += 1
+            if s != last:
+                base = s * stride
+                slots += range(base, base + ups)  # unit 0 first, as from a fresh stack
+                seg_live[s] = ups
+                seg_free[s] = []
+                seg_key[s] = -1  # entries in the old owner's heap go stale
+        self._next_rank = r
+        base = last * stride
+        k = n - free - ups * (len(segs) - 1)
+        slots += range(base, base + k)
+        seg_live[last] = k
+        if k < ups:
+            seg_free[last] = list(range(base + ups - 1, base + k - 1, -1))
+            pool.push(last, seg_key)
+        else:
+            seg_free[last] = []
+            seg_key[last] = -1
+        h_slot, h_owner = self._h_slot, self._h_owner
+        for h, slot in zip(out, slots, strict=True):
+            h_slot[h] = slot
+            h_owner[h] = owner
+        dirty = self._dirty
+        if dirty is not None:
+            dirty += out
+            if len(dirty) > 2 * self._capacity:
+                self._dirty = None
+        pool.live += n
+        pool.free_units = free + ups * len(segs) - n
+        return out
+
+    def _acquire_one(self, pool: Pool, seg: int, owner: tuple[Hashable, int]) -> list[int]:
+        """:meth:`_acquire_and_take` of one unit into one new segment ``seg`` (the pool had no
+        free unit): the most common acquisition (a state slot or a stash), unrolled."""
+        seg_owner, index = self.seg_owner, pool.index
+        old = seg_owner[seg]
+        if old == index:  # not a foreign segment: generic path
+            self._acquire(pool, [seg])
+            return self._take_units(pool, owner, 1)
+        if self.seg_live[seg]:
+            self._evacuate(self.pools[old], [seg], {seg})
+        if old == -1:
+            group = self.unowned[pool.group]
+            if group[0] == seg:  # the policies take a prefix
+                del group[0]
+            else:
+                self.unowned[self.seg_group[seg]].remove(seg)
+        else:
+            victim = self.pools[old]
+            victim.owned.discard(seg)
+            victim.empty.discard(seg)
+            victim.free_units -= victim.units_per_segment
+            self.migrations += 1
+        pool.owned.add(seg)
+        seg_owner[seg] = index
+        self.seg_rank[seg] = self._next_rank
+        self._next_rank += 1
+        h = self._free_handles.pop()
+        base = seg * self._max_units
+        self._h_slot[h] = base  # unit 0, the top of a fresh stack
+        self._h_owner[h] = owner
+        self.seg_live[seg] = 1
+        ups = pool.units_per_segment
+        if ups > 1:
+            self.seg_free[seg] = list(range(base + ups - 1, base, -1))
+            pool.push(seg, self._seg_key)
+        else:
+            self.seg_free[seg] = []
+            self._seg_key[seg] = -1  # entries in the old owner's heap go stale
+        dirty = self._dirty
+        if dirty is not None:
+            dirty.append(h)
+            if len(dirty) > 2 * self._capacity:
+                self._dirty = None
+        pool.live += 1
+        pool.free_units += ups - 1
+        return [h]
 
     def _release(self, victims: list[int]) -> None:
         """Return the units of live handles ``victims`` to their segments' free stacks, the

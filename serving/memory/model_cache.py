@@ -29,13 +29,14 @@ and its GDN verify / commit gather each layer's state window (no copy of the who
 
 Kernels (:class:`ArenaKernels`, chosen by :func:`select_kernels`; ``ArenaRunner(kernels=)``):
 with the Pallas kernels the tree verify reads the GDN recurrent states in place through the
-table (:func:`pallas_kernels.arena.tree_verify`), its attention layers read the KV pages in
-place (:func:`pallas_kernels.arena_attention.tree_attention`), and the commit updates the
-recurrent states in place (:func:`pallas_kernels.arena.tree_commit`, the arena aliased); with
-``kernels="pallas"`` the decode step's GDN layers also read and write their recurrent states in
-place (:func:`pallas_kernels.arena_decode.recurrent_step`, the arena aliased). Still XLA
-windows on that path: the conv state (``(W-1)*C`` elements per layer), the accepted nodes' K/V
-writes, prefill (chunked GDN), decode's attention (causal attention over the gathered pages)
+table (:func:`pallas_kernels.arena.tree_verify`), every attention layer reads the KV pages in
+place (the tree verify's by :func:`pallas_kernels.arena_attention.tree_attention`, decode's
+and prefill's, causal, by :func:`pallas_kernels.arena_attention.paged_attention`), and the
+commit updates the recurrent states in place (:func:`pallas_kernels.arena.tree_commit`, the
+arena aliased); with ``kernels="pallas"`` the decode step's GDN layers also read and write
+their recurrent states in place (:func:`pallas_kernels.arena_decode.recurrent_step`, the arena
+aliased). Still XLA windows on that path: the conv state (``(W-1)*C`` elements per layer), the
+K/V writes (decode's and prefill's new tokens, the accepted nodes'), prefill's chunked GDN
 and the snapshot verify method. Rows at length 0 read zero states on both
 paths; a commit of a length-0 row (which the engine never issues: it verifies only prefilled
 requests) leaves that row's recurrent state unwritten on the kernel path.
@@ -164,8 +165,9 @@ class ArenaKernels:
 
     - ``gdn``: GDN tree verify and commit by :mod:`pallas_kernels.arena` (the recurrent states
       read, and committed, in place through the table) instead of XLA state windows;
-    - ``attention``: the tree verify's attention by :mod:`pallas_kernels.arena_attention` (the
-      KV pages read in place) instead of XLA's page gather;
+    - ``attention``: every attention layer by :mod:`pallas_kernels.arena_attention` (the KV
+      pages read in place) instead of XLA's page gather: the tree verify's
+      (``tree_attention``), decode's and prefill's (``paged_attention``, causal);
     - ``decode``: the decode step's GDN layers by :mod:`pallas_kernels.arena_decode` (the
       recurrent states read and written in place) instead of XLA state windows;
     - ``interpret``: run them in Pallas interpret mode (any non-GPU backend);
@@ -271,9 +273,9 @@ def select_kernels(
     choice = ArenaKernels(
         gdn=spec.gdn_layers > 0 and not gdn_bad,
         attention=spec.attn_layers > 0 and not attn_bad,
-        # The decode kernel only on an explicit "pallas": "auto" keeps decode on XLA, since the
-        # arena decode kernel has not been measured against XLA's state windows on a GPU.
-        decode=spec.gdn_layers > 0 and not gdn_bad and kernels == "pallas",
+        # The decode kernel under "auto" too: on the H200 a 30-layer Qwen3.5-35B decode step
+        # takes 0.35-0.62x the time of XLA's state windows (benchmarks/arena_read.py, B 1-64).
+        decode=spec.gdn_layers > 0 and not gdn_bad,
         interpret=interpret,
         max_nodes=MAX_NODES if kernels == "pallas" else AUTO_MAX_NODES,
         strict=kernels == "pallas",
@@ -523,24 +525,52 @@ class ArenaCache:
             out.append(jnp.where(seen[:, :, None, None], x, jnp.zeros((), x.dtype)))
         return out[0], out[1]
 
+    def _paged_kernel_misfit(self, q: jax.Array) -> str | None:
+        """Why :func:`pallas_kernels.arena_attention.paged_attention` cannot take queries of
+        this (static) shape, or ``None``."""
+        sp = self.spec
+        if q.ndim != 4 or q.shape[3] != sp.head_dim or q.shape[2] % sp.kv_heads:
+            return (f"queries {q.shape} are not [B, T, Hq, {sp.head_dim}] with Hq a multiple "
+                    f"of {sp.kv_heads} KV heads")  # fmt: skip
+        if jnp.dtype(q.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            return f"queries are {q.dtype}, not float32, bfloat16 or float16"
+        return None
+
     def attention(
         self, ai, q, kv_len, q_pos, *, scale, draft_k=None, draft_v=None, draft_mask=None
     ) -> jax.Array:
         """Same as :func:`gdn_jax.models.tree_attention.paged_attention` over the arena.
 
-        With the attention kernel selected and draft K/V given (the tree verify, whose queries
-        all sit at or after the committed keys, so the causal bound is ``kv_len``), the pages
-        are read in place by :func:`pallas_kernels.arena_attention.tree_attention`."""
+        With the attention kernel selected, the pages are read in place: with draft K/V (the
+        tree verify, whose queries all sit at or after the committed keys, so the causal bound
+        is ``kv_len``) by :func:`pallas_kernels.arena_attention.tree_attention`, without (decode,
+        prefill: the new tokens' K/V already written) by
+        :func:`pallas_kernels.arena_attention.paged_attention`, causal in ``q_pos``. Queries of
+        a shape that kernel does not take go to XLA (a ``ValueError`` when ``strict``)."""
         sp = self.spec
-        if draft_k is not None and self.kernels.attention:
+        kn = self.kernels
+        if draft_k is not None and kn.attention:
             from pallas_kernels.arena_attention import tree_attention
 
             return tree_attention(
                 q, self.buffer, self._kernel_table(), self.page_handles, kv_len,
                 draft_k.astype(sp.kv_dtype), draft_v.astype(sp.kv_dtype), draft_mask, layer=ai,
                 kv_offset=sp.kv_offset, page_size=sp.page_size, kv_dtype=sp.kv_dtype,
-                scale=float(scale), interpret=self.kernels.interpret,
+                scale=float(scale), interpret=kn.interpret,
             )  # fmt: skip
+        if draft_k is None and kn.attention:
+            misfit = self._paged_kernel_misfit(q)
+            if misfit is not None and kn.strict:
+                raise ValueError(f"kernels='pallas': the arena paged attention kernel: {misfit}")
+            if misfit is None:
+                from pallas_kernels.arena_attention import paged_attention
+
+                return paged_attention(
+                    q, self.buffer, self._kernel_table(), self.page_handles, kv_len, q_pos,
+                    layer=ai, kv_offset=sp.kv_offset, page_size=sp.page_size,
+                    kv_heads=sp.kv_heads, kv_dtype=sp.kv_dtype, scale=float(scale),
+                    interpret=kn.interpret,
+                )  # fmt: skip
         k, v = self.committed_kv(ai, kv_len)
         j = jnp.arange(k.shape[1])
         mask = (j[None, None, :] < kv_len[:, None, None]) & (j[None, None, :] <= q_pos[:, :, None])

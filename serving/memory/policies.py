@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from serving.memory.pools import Pool
 
 
+def _most_empty_first(q: Pool) -> tuple[int, int]:
+    return -len(q.empty), q.index
+
+
 class Policy:
     """Base policy: the AVMP decisions; subclasses override what differs."""
 
@@ -65,23 +69,35 @@ class Policy:
         unowned = mm.unowned[pool.group]
         if len(unowned) >= need:
             return unowned[:need]
-        others = [q for q in mm.pools if q is not pool and q.group == pool.group]
+        group = pool.group
+        others = [q for q in mm.pools if q is not pool and q.group == group]
         chosen = list(unowned)
-        if len(chosen) + sum(len(q.empty) for q in others) >= need:
+        empties = len(chosen)
+        for q in others:
+            empties += len(q.empty)
+        if empties >= need:
             # Wholly free segments move no data; take them from the pool with the most first
             # (the one least likely to need a segment back soon), lowest segments first.
-            for q in sorted(others, key=lambda q: (-len(q.empty), q.index)):
+            # (``others`` is in index order: the usual two need no sort.)
+            if len(others) == 2:
+                a, b = others
+                order = (b, a) if len(b.empty) > len(a.empty) else others
+            else:
+                order = sorted(others, key=_most_empty_first)
+            for q in order:
                 k = need - len(chosen)
-                if k == 1 and q.empty:
-                    chosen.append(min(q.empty))
-                else:
-                    chosen += sorted(q.empty)[:k]
+                if k == 1:
+                    if q.empty:
+                        chosen.append(min(q.empty))
+                        return chosen
+                    continue
+                chosen += sorted(q.empty)[:k]
                 if len(chosen) == need:
                     return chosen
         # Fail fast: every other pool can give up all but the segments its live units need.
         if len(unowned) + sum(len(q.owned) - q.min_segments() for q in others) < need:
             return None
-        for q in sorted(others, key=lambda q: (-len(q.empty), q.index)):
+        for q in sorted(others, key=_most_empty_first):
             chosen += sorted(q.empty)  # all of them: they do not cover the need
         compacted = self._cheapest_compaction(mm, others, need - len(chosen))
         return None if compacted is None else chosen + compacted

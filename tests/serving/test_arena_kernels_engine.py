@@ -1,7 +1,8 @@
 """The arena path's kernel choice (``ArenaRunner(kernels=)``, ``LLM(kernels=)``): tree verify and
-commit by the Pallas kernels that read the arena in place through the handle table (interpret
-mode on CPU) give the XLA path's logits, arena contents and greedy tokens, and their programs
-hold no gather / scatter of the GDN state windows or the KV pages.
+commit, decode and prefill by the Pallas kernels that read the arena in place through the handle
+table (interpret mode on CPU) give the XLA path's logits, arena contents and greedy tokens, and
+their programs hold no gather / scatter of the GDN state windows (verify, commit, decode) or
+gather of the KV pages (every attention layer of verify, decode and prefill).
 
 One geometry for the module (page_size 16: the attention kernel needs a power of two >= 16; the
 same arena size and batch bucket everywhere), so each program compiles once."""
@@ -195,12 +196,14 @@ def test_kernel_option_validation(target, llms):
 
 def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
     """Greedy decode steps with kernels='pallas' (the GDN layers by the in-place arena decode
-    kernel) give the XLA path's logits, tokens and arena; a row at length 0 with a stale unit
-    starts from a zero state on both. The pallas decode program gathers / scatters no GDN state
-    window ("auto" keeps decode on XLA)."""
+    kernel, the attention layers by the paged arena attention kernel) give the XLA path's
+    logits, tokens and arena; a row at length 0 with a stale unit starts from a zero state on
+    both, and a padding row's attention gives 0 on both. The pallas decode program gathers /
+    scatters no GDN state window and gathers no KV page ("auto" on GPU takes the decode kernel too)."""
     sp = llms["xla"].runner.spec
     assert select_kernels("pallas", sp)[0].decode
-    assert not select_kernels("auto", sp, backend="gpu")[0].decode
+    assert select_kernels("auto", sp, backend="gpu")[0].decode
+    assert not select_kernels("auto", sp, backend="cpu")[0].decode
     llm = llms["xla"]
     mm = llm.manager
     pallas = ArenaRunner(target, mm, kernels="pallas")
@@ -248,10 +251,77 @@ def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
         _primitives(jax.make_jaxpr(r._decode)(r._state, *args).jaxpr, [])
         for r in (llm.runner, pallas)
     )
-    lg = sp.gdn_layers
+    lg, la, page_words = sp.gdn_layers, sp.attn_layers, sp.page_size * sp.token_words
     assert gathers(xd, sp.state_words) == lg and scatters(xd, sp.state_words) == lg
+    assert gathers(xd, page_words) == 2 * la
     assert not [k for k in _kernel_names(xd) if "arena" in k]
     assert gathers(pd, sp.state_words) == 0 and scatters(pd, sp.state_words) == 0
-    assert _kernel_names(pd) == ["gdn_recurrent_step_arena"] * lg
+    assert gathers(pd, page_words) == 0
+    assert _kernel_names(pd) == sorted(
+        ["gdn_recurrent_step_arena"] * lg + ["paged_attention_arena"] * la
+    )
+    for rid in rows:
+        mm.free(rid)
+
+
+def test_prefill_pallas_equals_xla_without_page_gathers(llms, target):
+    """Chunked prefill with kernels='pallas' (each attention layer by the paged arena attention
+    kernel, causal over the pages written so far) gives the XLA path's logits and arena: two
+    chunks of 16 (the engine's program) over rows ending inside a page, a row with no new token
+    in the second chunk, and a padding row (all four rows' logits compared). The pallas prefill
+    program gathers no KV page (XLA gathers K and V per attention layer)."""
+    sp = llms["xla"].runner.spec
+    llm = llms["xla"]
+    mm = llm.manager
+    pallas = ArenaRunner(target, mm, kernels="pallas")  # a second runner on the same arena
+    rng = np.random.default_rng(4)
+    b, mp = 4, llm.scheduler.pages_per_seq
+    handles = np.full(b, -1, np.int32)
+    pages = np.full((b, mp), -1, np.int32)
+    lens = np.array([21, 9, 16, 0], np.int32)
+    rows = [("kern", 4, i) for i in range(3)]
+    for i, rid in enumerate(rows):
+        handles[i] = mm.alloc(rid, "state")[0]
+        pages[i, :2] = mm.alloc(rid, "kv", 2)
+    chunks = [
+        (np.minimum(lens, start).astype(np.int32), rng.integers(0, VOCAB, (b, 16)).astype(np.int32),
+         np.clip(lens - start, 0, 16).astype(np.int32))
+        for start in (0, 16)
+    ]  # fmt: skip
+    base = np.asarray(mm.arena.buffer).copy()
+    out = {}
+    for name, runner in (("xla", llm.runner), ("pallas", pallas)):
+        mm.arena.buffer = jax.device_put(base, mm.arena.buffer.device)
+        got = []
+        for start, tok, count in chunks:
+            logits, am, _ = runner.prefill(handles, pages, start, tok, count)
+            got.append((np.asarray(logits), np.asarray(am)))
+        out[name] = got, np.asarray(mm.arena.buffer)
+    (gx, bx), (gp, bp) = out["xla"], out["pallas"]
+    for (lx, ax), (lp, ap) in zip(gx, gp, strict=True):
+        np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4 * np.abs(lx).max())
+        np.testing.assert_array_equal(ap, ax)
+    other = np.ones(base.shape, bool)
+    for _, kind, rid, seg, word, words in mm.live():
+        if rid in rows:
+            span = slice(word, word + words)
+            other[seg, span] = False
+            x, p = bx[seg, span].view(np.float32), bp[seg, span].view(np.float32)
+            np.testing.assert_allclose(p, x, rtol=1e-5, atol=1e-5, err_msg=f"{kind} unit")
+    np.testing.assert_array_equal(bp[other], bx[other])
+
+    page_words = sp.page_size * sp.token_words
+    start, tok, count = chunks[1]
+    args = (mm.arena.buffer, llm.runner.table(), handles, pages, start, tok, count)
+    xp, pp = (
+        _primitives(jax.make_jaxpr(r._prefill)(r._state, *args).jaxpr, [])
+        for r in (llm.runner, pallas)
+    )
+    la = sp.attn_layers
+    assert sum(p == "gather" and e.params["slice_sizes"][-1] == page_words for p, e in xp) == 2 * la
+    assert not [p for p, e in pp if p == "gather" and e.params["slice_sizes"][-1] == page_words]
+    # (on GPU both prefills also run gdn_jax's chunked Pallas prefill: count only attention)
+    paged = "paged_attention_arena"
+    assert _kernel_names(xp).count(paged) == 0 and _kernel_names(pp).count(paged) == la
     for rid in rows:
         mm.free(rid)
