@@ -37,10 +37,11 @@ def _next_pow2(x: int) -> int:
 
 
 def _pad_nodes(q, draft_k, draft_v, draft_mask):
-    """Pads the node axis to a power of two: ``(q, draft_k, draft_v, mask int32, N padded)``;
-    padded nodes see themselves, so no row of the softmax is empty."""
+    """Pads the node axis to a power of two of at least 16 (Triton's dots want M, N >= 16):
+    ``(q, draft_k, draft_v, mask int32, N padded)``; padded nodes see themselves, so no row of
+    the softmax is empty."""
     n = q.shape[1]
-    np2 = _next_pow2(n)
+    np2 = max(_next_pow2(n), 16)
     pad_n = lambda x: jnp.pad(x, [(0, 0), (0, np2 - n)] + [(0, 0)] * (x.ndim - 2))
     mask = jnp.pad(draft_mask, [(0, 0), (0, np2 - n), (0, np2 - n)])
     mask = (mask | (jnp.arange(np2) >= n)[:, None] & jnp.eye(np2, dtype=bool)).astype(jnp.int32)

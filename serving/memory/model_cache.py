@@ -549,7 +549,7 @@ class ArenaCache:
         a shape that kernel does not take go to XLA (a ``ValueError`` when ``strict``)."""
         sp = self.spec
         kn = self.kernels
-        if draft_k is not None and kn.attention:
+        if draft_k is not None and kn.attention and kn.takes(draft_k.shape[1], "tree attention"):
             from pallas_kernels.arena_attention import tree_attention
 
             return tree_attention(

@@ -9,13 +9,16 @@ same arena size and batch bucket everywhere), so each program compiles once."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from serving import LLM, SamplingParams, SpecConfig
-from serving.memory.model_cache import select_kernels
+from serving.memory.model_cache import ArenaCache, select_kernels
 from serving.runner import ArenaRunner
 from tests.serving.conftest import ENGINE, VOCAB, prompts
 
@@ -192,6 +195,16 @@ def test_kernel_option_validation(target, llms):
     assert not auto_gpu.takes(65, "x")
     with pytest.raises(ValueError, match="at most 128 nodes"):
         select_kernels("pallas", spec)[0].takes(129, "GDN tree verify")
+    # the tree attention kernel checks the same limit before it traces anything
+    strict = dataclasses.replace(select_kernels("pallas", spec)[0], max_nodes=4)
+    cache = ArenaCache(
+        jnp.zeros((1, 8), jnp.uint32), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32),
+        jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), spec, strict,
+    )  # fmt: skip
+    d = jnp.zeros((1, 5, spec.kv_heads, spec.head_dim), jnp.float32)
+    with pytest.raises(ValueError, match="tree attention kernel takes trees of at most 4"):
+        cache.attention(0, d, jnp.ones((1,), jnp.int32), jnp.zeros((1, 5), jnp.int32), scale=1.0,
+                        draft_k=d, draft_v=d, draft_mask=jnp.ones((1, 5, 5), bool))  # fmt: skip
 
 
 def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
