@@ -275,6 +275,29 @@ def _x3_kernel(
     gp_ref[...] = g_path
 
 
+def tree_input(parents: jax.Array, ancestors, n: int, ancestors_input: bool) -> jax.Array:
+    """The verify kernels' tree operand from the launch's padded ``parents [B, Npad]``: those
+    parents, or with ``ancestors_input`` the int8 inclusive ancestor mask ``[B, Npad, Npad]``
+    (``ancestors`` of the ``n`` real nodes when given, else computed; padding nodes are their
+    own only ancestor). ``ValueError`` for ``ancestors`` without ``ancestors_input`` or of the
+    wrong shape."""
+    if ancestors is not None and not ancestors_input:
+        raise ValueError("ancestors: only used with blocks.ancestors_input=True")
+    if not ancestors_input:
+        return parents
+    if ancestors is None:
+        # One XLA computation per call (under jit, CSE shares it between identical calls).
+        return ancestor_mask(parents).astype(jnp.int8)
+    b, npad = parents.shape
+    if ancestors.shape != (b, n, n):
+        raise ValueError(f"ancestors: shape {(b, n, n)} expected, got {ancestors.shape}")
+    tree = (ancestors != 0).astype(jnp.int8)
+    if npad != n:
+        tree = jnp.pad(tree, ((0, 0), (0, npad - n), (0, npad - n)))
+        tree = tree | (jnp.eye(npad, dtype=jnp.int8) * (jnp.arange(npad) >= n))
+    return tree
+
+
 def verify_specs(t, v: jax.Array):
     """Block specs of ``q, k, v, g, beta`` (inputs) and ``o, u, g_path`` (outputs) with their
     shapes, on the (row, value head, column block) grid of a :class:`TreeLaunch` ``t``; ``v`` is
@@ -339,22 +362,10 @@ def tree_verify(
     body = _refine_kernel if blocks.mode == "refine" else _x3_kernel
     kernel = functools.partial(
         body, scale=scale, use_l2norm=use_qk_l2norm, blocks=blocks, interpret=interpret)
-    if ancestors is not None and not blocks.ancestors_input:
-        raise ValueError("ancestors: only used with blocks.ancestors_input=True")
+    tree = tree_input(parents, ancestors, n, blocks.ancestors_input)
     if blocks.ancestors_input:
-        if ancestors is None:
-            # One XLA computation per call (under jit, CSE shares it between identical calls).
-            tree = ancestor_mask(parents).astype(jnp.int8)
-        else:
-            if ancestors.shape != (b, n, n):
-                raise ValueError(f"ancestors: shape {(b, n, n)} expected, got {ancestors.shape}")
-            tree = (ancestors != 0).astype(jnp.int8)
-            if npad != n:  # padding nodes are their own only ancestor
-                tree = jnp.pad(tree, ((0, 0), (0, npad - n), (0, npad - n)))
-                tree = tree | (jnp.eye(npad, dtype=jnp.int8) * (jnp.arange(npad) >= n))
         tree_spec = pl.BlockSpec((None, npad, npad), lambda i, h, j: (i, 0, 0))
     else:
-        tree = parents
         tree_spec = pl.BlockSpec((None, npad), lambda i, h, j: (i, 0))
     in_specs, out_specs, out_shape = verify_specs(t, v)
     o, u, g_path = pl.pallas_call(

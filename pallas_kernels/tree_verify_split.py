@@ -66,7 +66,7 @@ from pallas_kernels.tree_verify import (
     _inverse_doubling,
     _one_pass,
     _rows_scale,
-    ancestor_mask,
+    tree_input,
 )
 
 
@@ -207,24 +207,13 @@ def _apply_kernel(
     u_ref[...] = u
 
 
-def _tree_operand(parents, ancestors, b: int, n: int, npad: int, blocks: SplitVerifyBlocks):
-    """Kernel A's tree input and its block spec: the padded parents, or (``ancestors_input``) the
-    int8 inclusive ancestor mask (padding nodes their own only ancestor). Same rules and errors
-    as :func:`pallas_kernels.tree_verify`."""
-    if ancestors is not None and not blocks.ancestors_input:
-        raise ValueError("ancestors: only used with blocks.ancestors_input=True")
-    if not blocks.ancestors_input:
-        return parents, pl.BlockSpec((None, npad), lambda i, h: (i, 0))
-    if ancestors is None:
-        tree = ancestor_mask(parents).astype(jnp.int8)
-    else:
-        if ancestors.shape != (b, n, n):
-            raise ValueError(f"ancestors: shape {(b, n, n)} expected, got {ancestors.shape}")
-        tree = (ancestors != 0).astype(jnp.int8)
-        if npad != n:
-            tree = jnp.pad(tree, ((0, 0), (0, npad - n), (0, npad - n)))
-            tree = tree | (jnp.eye(npad, dtype=jnp.int8) * (jnp.arange(npad) >= n))
-    return tree, pl.BlockSpec((None, npad, npad), lambda i, h: (i, 0, 0))
+def _tree_operand(parents, ancestors, n: int, npad: int, blocks: SplitVerifyBlocks):
+    """Kernel A's tree input (:func:`pallas_kernels.tree_verify.tree_input`) and its block
+    spec on the (row, head) grid."""
+    tree = tree_input(parents, ancestors, n, blocks.ancestors_input)
+    if blocks.ancestors_input:
+        return tree, pl.BlockSpec((None, npad, npad), lambda i, h: (i, 0, 0))
+    return tree, pl.BlockSpec((None, npad), lambda i, h: (i, 0))
 
 
 def _check_common(n: int, blocks) -> None:
@@ -245,7 +234,7 @@ def tree_verify_matrices(
     _check_common(n, blocks)
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
     npad, dk, grp = t.npad, t.k.shape[3], t.grp
-    tree, tree_spec = _tree_operand(t.parents, ancestors, b, n, npad, blocks)
+    tree, tree_spec = _tree_operand(t.parents, ancestors, n, npad, blocks)
     qk_spec = pl.BlockSpec((None, npad, None, dk), lambda i, h: (i, 0, h // grp, 0))
     gb_spec = pl.BlockSpec((None, npad, None), lambda i, h: (i, 0, h))
     nn_spec = pl.BlockSpec((None, None, npad, npad), lambda i, h: (i, h, 0, 0))
