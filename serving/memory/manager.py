@@ -443,15 +443,8 @@ class MemoryManager:
                         slots += free[: -left - 1 : -1]  # the top ``left``, top first
                         del free[-left:]
                         left = 0
-            h_owner = self._h_owner
-            for h, slot in zip(out, slots, strict=True):
-                h_slot[h] = slot
-                h_owner[h] = owner
-        dirty = self._dirty
-        if dirty is not None:
-            dirty += out
-            if len(dirty) > 2 * self._capacity:
-                self._dirty = None
+            self._bind(out, slots, owner)
+        self._mark_dirty(out)
         pool.live += n
         pool.free_units -= n
         return out
@@ -540,15 +533,8 @@ class MemoryManager:
         else:
             seg_free[last] = []
             seg_key[last] = -1
-        h_slot, h_owner = self._h_slot, self._h_owner
-        for h, slot in zip(out, slots, strict=True):
-            h_slot[h] = slot
-            h_owner[h] = owner
-        dirty = self._dirty
-        if dirty is not None:
-            dirty += out
-            if len(dirty) > 2 * self._capacity:
-                self._dirty = None
+        self._bind(out, slots, owner)
+        self._mark_dirty(out)
         pool.live += n
         pool.free_units = free + ups * len(segs) - n
         return out
@@ -591,14 +577,26 @@ class MemoryManager:
         else:
             self.seg_free[seg] = []
             self._seg_key[seg] = -1  # entries in the old owner's heap go stale
-        dirty = self._dirty
-        if dirty is not None:
-            dirty.append(h)
-            if len(dirty) > 2 * self._capacity:
-                self._dirty = None
+        self._mark_dirty((h,))
         pool.live += 1
         pool.free_units += ups - 1
         return [h]
+
+    def _bind(self, handles, slots, owner: tuple[Hashable, int]) -> None:
+        """Points each of ``handles`` at its slot in ``slots`` and records its owner."""
+        h_slot, h_owner = self._h_slot, self._h_owner
+        for h, slot in zip(handles, slots, strict=True):
+            h_slot[h] = slot
+            h_owner[h] = owner
+
+    def _mark_dirty(self, handles) -> None:
+        """Queues ``handles`` for the next device-table update (a full upload once the queue
+        outgrows twice the capacity)."""
+        dirty = self._dirty
+        if dirty is not None:
+            dirty += handles
+            if len(dirty) > 2 * self._capacity:
+                self._dirty = None
 
     def _release(self, victims: list[int]) -> None:
         """Return the units of live handles ``victims`` to their segments' free stacks, the
@@ -624,11 +622,7 @@ class MemoryManager:
             pool.live -= 1
             pool.free_units += 1
         self._free_handles += reversed(victims)
-        dirty = self._dirty
-        if dirty is not None:
-            dirty += victims
-            if len(dirty) > 2 * self._capacity:
-                self._dirty = None
+        self._mark_dirty(victims)
 
     def _acquire(self, pool: Pool, segs: list[int]) -> None:
         """Execute a plan: evacuate each victim pool's chosen segments, then reassign them.
