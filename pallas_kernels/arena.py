@@ -72,6 +72,14 @@ def _load_state(arena_ref, addr):
     return jnp.where(valid, s0, 0.0)
 
 
+def _store_state(out_ref, addr, s):
+    """Stores the f32 tile ``s`` as words at ``addr`` (from :func:`_tile_address`) of the
+    aliased arena output, masked off for a padding row."""
+    valid, seg, idx = addr
+    words = jax.lax.bitcast_convert_type(s, jnp.uint32)
+    plt.store(out_ref.at[seg, idx], words, mask=jnp.broadcast_to(valid, idx.shape))
+
+
 def _check_arena(arena, table, handles, b, offset, hv, dk, dv):
     if arena.ndim != 2 or arena.dtype != jnp.uint32:
         raise ValueError(f"arena: expected uint32 [segments, words], got {arena.dtype} {arena.shape}")

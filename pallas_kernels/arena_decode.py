@@ -29,27 +29,52 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._wy import F32, check_heads_dims, prep_rows
-from pallas_kernels.arena import _check_arena, _load_state, _tile_address, _whole
+from pallas_kernels.arena import _check_arena, _load_state, _store_state, _tile_address, _whole
 
 
-def _check_inputs(q, k, v, g, beta, block_v):
-    if k.ndim != 3:
-        raise ValueError(f"k: expected rank 3 [B, Hk, K], got shape {k.shape}")
-    b, hk, dk = k.shape
+def _check_inputs(q, k, v, g, beta, block_v, *, tokens: bool = False):
+    """Shapes ``(B, Hk, Hv, K, V)`` of one token per row (``[B, ...]`` inputs) or, with
+    ``tokens``, of ``T`` tokens per row (``[B, T, ...]``; then ``B`` is ``(B, T)``)."""
+    lead, n = ("B, T", 2) if tokens else ("B", 1)
+    if k.ndim != n + 2:
+        raise ValueError(f"k: expected rank {n + 2} [{lead}, Hk, K], got shape {k.shape}")
+    b, (hk, dk) = k.shape[:n], k.shape[n:]
     if q.shape != k.shape:
-        raise ValueError(f"q: shape {q.shape} must equal k's shape {k.shape} [B, Hk, K]")
-    if v.ndim != 3 or v.shape[0] != b:
-        raise ValueError(f"v: expected [B={b}, Hv, V], got shape {v.shape}")
-    hv, dv = v.shape[1:]
+        raise ValueError(f"q: shape {q.shape} must equal k's shape {k.shape} [{lead}, Hk, K]")
+    if v.ndim != n + 2 or v.shape[:n] != b:
+        raise ValueError(f"v: expected [{lead}={b}, Hv, V], got shape {v.shape}")
+    hv, dv = v.shape[n:]
     check_heads_dims(q, k, v, hk=hk, dk=dk, hv=hv, dv=dv)
     for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (b, hv):
-            raise ValueError(f"{name}: expected shape [B, Hv] = {(b, hv)}, got {x.shape}")
+        if x.shape != (*b, hv):
+            raise ValueError(f"{name}: expected shape [{lead}, Hv] = {(*b, hv)}, got {x.shape}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name}: must be floating point, got {x.dtype}")
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v: a power of two >= 16, got {block_v}")
-    return b, hk, hv, dk, dv
+    return (b[0] if n == 1 else b), hk, hv, dk, dv
+
+
+def _row_flags(name, x, b):
+    """An optional ``[B]`` per-row argument as int32 (default: zeros)."""
+    if x is None:
+        return jnp.zeros((b,), jnp.int32)
+    if x.shape != (b,):
+        raise ValueError(f"{name}: expected shape [B] = ({b},), got {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def delta_update(s, k, v, g, beta):
+    """One token's update of a ``[K, block_v]`` f32 state tile: ``S = exp(g) S; S += k (beta
+    (v - S^T k))^T`` with ``k [K]`` (prepared, f32), ``v [block_v]`` and scalars ``g, beta``."""
+    s = s * jnp.exp(g.astype(F32))
+    u = beta.astype(F32) * (v.astype(F32) - jnp.sum(k[:, None] * s, 0))
+    return s + k[:, None] * u[None, :]
+
+
+def readout(s, q):
+    """``o = S^T q`` (f32 ``[block_v]``) of a ``[K, block_v]`` tile and a prepared ``q [K]``."""
+    return jnp.sum(q[:, None] * s, 0)
 
 
 def recurrent_step(
@@ -73,10 +98,7 @@ def recurrent_step(
     """
     b, hk, hv, dk, dv = _check_inputs(q, k, v, g, beta, block_v)
     _check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
-    if zero_state is None:
-        zero_state = jnp.zeros((b,), jnp.int32)
-    elif zero_state.shape != (b,):
-        raise ValueError(f"zero_state: expected shape [B] = ({b},), got {zero_state.shape}")
+    zero_state = _row_flags("zero_state", zero_state, b)
     bv = min(block_v, dv)
     grp = hv // hk
     scale = dk**-0.5 if scale is None else float(scale)
@@ -88,12 +110,9 @@ def recurrent_step(
         s = _load_state(ar_ref, (ok & (zs_ref[i] == 0), seg, idx))  # [K, bv] f32
         qv = prep_rows(q_ref[...], use_qk_l2norm, scale)  # [K]
         kv = prep_rows(k_ref[...], use_qk_l2norm)
-        s = s * jnp.exp(g_ref[i, h].astype(F32))
-        u = beta_ref[i, h].astype(F32) * (v_ref[...].astype(F32) - jnp.sum(kv[:, None] * s, 0))
-        s = s + kv[:, None] * u[None, :]
-        o_ref[...] = jnp.sum(qv[:, None] * s, 0).astype(o_ref.dtype)
-        words = jax.lax.bitcast_convert_type(s, jnp.uint32)
-        plt.store(out_ref.at[seg, idx], words, mask=jnp.broadcast_to(ok, idx.shape))
+        s = delta_update(s, kv, v_ref[...], g_ref[i, h], beta_ref[i, h])
+        o_ref[...] = readout(s, qv).astype(o_ref.dtype)
+        _store_state(out_ref, (ok, seg, idx), s)
 
     vec_k = pl.BlockSpec((None, None, dk), lambda i, h, j: (i, h // grp, 0))
     vec_v = pl.BlockSpec((None, None, bv), lambda i, h, j: (i, h, j))
@@ -108,6 +127,6 @@ def recurrent_step(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_recurrent_step_arena",
-    )(q, k, v, g.astype(F32), beta.astype(F32), zero_state.astype(jnp.int32),
+    )(q, k, v, g.astype(F32), beta.astype(F32), zero_state,
       handles.astype(jnp.int32), table.astype(jnp.int32), arena)  # fmt: skip
     return o, arena
