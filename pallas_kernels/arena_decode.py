@@ -42,7 +42,7 @@ def _check_inputs(q, k, v, g, beta, block_v, *, tokens: bool = False):
     if q.shape != k.shape:
         raise ValueError(f"q: shape {q.shape} must equal k's shape {k.shape} [{lead}, Hk, K]")
     if v.ndim != n + 2 or v.shape[:n] != b:
-        raise ValueError(f"v: expected [{lead}={b}, Hv, V], got shape {v.shape}")
+        raise ValueError(f"v: expected [{lead}={b[0] if n == 1 else b}, Hv, V], got {v.shape}")
     hv, dv = v.shape[n:]
     check_heads_dims(q, k, v, hk=hk, dk=dk, hv=hv, dv=dv)
     for name, x in (("g", g), ("beta", beta)):

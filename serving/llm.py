@@ -97,7 +97,8 @@ class LLM:
       kernels: how the arena cache's steps run (``cache="arena"`` only): ``"auto"``
         (default: on GPU the Pallas kernels that read the arena in place: tree verify,
         commit, the GDN decode step and paged attention; XLA on other backends),
-        ``"pallas"`` (the same kernels everywhere; interpret mode off GPU) or ``"xla"``;
+        ``"pallas"`` (the same kernels everywhere, plus prefill's GDN states in place;
+        interpret mode off GPU) or ``"xla"``;
         see :class:`serving.runner.ArenaRunner`.
     """
 

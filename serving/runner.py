@@ -177,9 +177,9 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
     decode, commit); ``verify`` only reads it. ``kernels`` picks XLA or the in-place Pallas
     kernels for verify and commit, and for decode's GDN layers when ``kernels.decode``
     (:func:`_arena_decode_program`); prefill and decode take the attention kernel when
-    ``kernels.attention`` (their GDN layers stay on XLA windows unless ``kernels.decode``), so
-    those programs are shared by every ``kernels`` choice with the same attention choice
-    (:func:`_arena_sequence_programs`)."""
+    ``kernels.attention`` (their GDN layers stay on XLA windows unless ``kernels.decode`` /
+    ``kernels.prefill``), so those programs are shared by every ``kernels`` choice with the
+    same attention choice (:func:`_arena_sequence_programs`)."""
 
     def cache_of(buf, table, handles, pages, lengths):
         return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
@@ -204,6 +204,8 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
     prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels))
     if kernels.decode:
         decode = _arena_decode_program(graphdef, spec, kernels)
+    if kernels.prefill:  # prefill's GDN layers by the in-place arena prefill kernel too
+        prefill = _arena_sequence_programs(graphdef, spec, kernels)[0]
     return (
         prefill,
         decode,
@@ -297,9 +299,11 @@ class ArenaRunner:
       XLA's state windows on the H200, ``benchmarks/arena_read.py``); its attention layers take
       the paged attention kernel as prefill's do.
 
-    Not wired to the kernels on any setting: :meth:`prefill`'s chunked GDN (XLA windows), the
-    snapshot verify method, the conv state (a small ``(W-1) x C`` window per layer) and the
-    K/V writes (new tokens', accepted nodes').
+    :meth:`prefill`'s GDN layers read and write the states in place
+    (:func:`pallas_kernels.arena_prefill.recurrent_prefill`, a sequential scan) only with
+    ``"pallas"``: not measured on a GPU yet, so ``"auto"`` keeps XLA windows there. Not wired
+    to the kernels on any setting: the snapshot verify method, the conv state (a small
+    ``(W-1) x C`` window per layer) and the K/V writes (new tokens', accepted nodes').
     """
 
     def __init__(self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto"):

@@ -15,9 +15,10 @@ kernels): ``verify_tree`` asks ``cache.gdn_tree_rule(gi, N)`` for a tree-verify 
 reads layer ``gi``'s state itself (then only ``cache.gdn_conv_state(gi)`` is read), and
 ``commit`` asks ``cache.commit_gdn_state(gi, tree_cache, path, path_len)`` to commit it in
 place (then the conv state goes through ``gdn_conv_state`` / ``with_gdn_conv_state``); a
-one-token :func:`prefill` / :func:`decode` asks ``cache.gdn_step_rule(gi)`` for a rule that
-reads and writes layer ``gi``'s recurrent state itself and returns the updated cache. Each
-returns ``None`` to take the default path; a storage without them always does.
+one-token :func:`prefill` / :func:`decode` asks ``cache.gdn_step_rule(gi)`` (a longer
+:func:`prefill`, ``cache.gdn_prefill_rule(gi, num_tokens)``) for a rule that reads and writes
+layer ``gi``'s recurrent state itself and returns the updated cache. Each returns ``None`` to
+take the default path; a storage without them always does.
 
 Each takes the model first; jit them with ``nnx.jit`` (or split the model and close over the
 graph). They touch the cache only through its methods (``lengths``, ``gdn_state``,
@@ -67,6 +68,8 @@ def _sequence(
             rule = None
             if t == 1 and hasattr(cache, "gdn_step_rule"):
                 rule = cache.gdn_step_rule(gi)
+            elif t > 1 and hasattr(cache, "gdn_prefill_rule"):
+                rule = cache.gdn_prefill_rule(gi, num_tokens)
             if rule is None:
                 conv, ssm = cache.gdn_state(gi)
                 mixed, c, s = layer.linear_attn(

@@ -35,9 +35,11 @@ and prefill's, causal, by :func:`pallas_kernels.arena_attention.paged_attention`
 commit updates the recurrent states in place (:func:`pallas_kernels.arena.tree_commit`, the
 arena aliased); with ``kernels="pallas"`` the decode step's GDN layers also read and write
 their recurrent states in place (:func:`pallas_kernels.arena_decode.recurrent_step`, the arena
-aliased). Still XLA windows on that path: the conv state (``(W-1)*C`` elements per layer), the
-K/V writes (decode's and prefill's new tokens, the accepted nodes'), prefill's chunked GDN
-and the snapshot verify method. Rows at length 0 read zero states on both
+aliased), and prefill's GDN layers (``T > 1`` tokens per row) read their initial recurrent
+states and write the final ones in place (:func:`pallas_kernels.arena_prefill.
+recurrent_prefill`, the arena aliased; ``kernels="auto"`` keeps XLA's chunked prefill). Still
+XLA windows on that path: the conv state (``(W-1)*C`` elements per layer), the K/V writes
+(decode's and prefill's new tokens, the accepted nodes') and the snapshot verify method. Rows at length 0 read zero states on both
 paths; a commit of a length-0 row (which the engine never issues: it verifies only prefilled
 requests) leaves that row's recurrent state unwritten on the kernel path.
 """
@@ -170,6 +172,9 @@ class ArenaKernels:
       (``tree_attention``), decode's and prefill's (``paged_attention``, causal);
     - ``decode``: the decode step's GDN layers by :mod:`pallas_kernels.arena_decode` (the
       recurrent states read and written in place) instead of XLA state windows;
+    - ``prefill``: prefill's GDN layers (``T > 1`` tokens per row) by
+      :mod:`pallas_kernels.arena_prefill` (the initial states read, the final ones written, in
+      place) instead of XLA state windows and the chunked rule;
     - ``interpret``: run them in Pallas interpret mode (any non-GPU backend);
     - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
       ``ValueError`` when ``strict`` (``kernels="pallas"`` asked for explicitly).
@@ -178,6 +183,7 @@ class ArenaKernels:
     gdn: bool = False
     attention: bool = False
     decode: bool = False
+    prefill: bool = False
     interpret: bool = False
     max_nodes: int = 0
     strict: bool = False
@@ -185,7 +191,7 @@ class ArenaKernels:
     @property
     def name(self) -> str:
         """``"pallas"`` when any step uses a kernel, else ``"xla"``."""
-        return "pallas" if self.gdn or self.attention or self.decode else "xla"
+        return "pallas" if self.gdn or self.attention or self.decode or self.prefill else "xla"
 
     def takes(self, n: int, what: str) -> bool:
         """Whether a tree of ``n`` nodes goes to the kernels (static, at trace time)."""
@@ -276,6 +282,9 @@ def select_kernels(
         # The decode kernel under "auto" too: on the H200 a 30-layer Qwen3.5-35B decode step
         # takes 0.35-0.62x the time of XLA's state windows (benchmarks/arena_read.py, B 1-64).
         decode=spec.gdn_layers > 0 and not gdn_bad,
+        # The prefill kernel (a sequential scan over each chunk's tokens) only when asked for:
+        # not measured against the chunked prefill on the H200, so "auto" keeps XLA's.
+        prefill=kernels == "pallas" and spec.gdn_layers > 0 and not gdn_bad,
         interpret=interpret,
         max_nodes=MAX_NODES if kernels == "pallas" else AUTO_MAX_NODES,
         strict=kernels == "pallas",
@@ -461,6 +470,36 @@ class ArenaCache:
                 interpret=kn.interpret,
             )  # fmt: skip
             return o[:, None], dataclasses.replace(self, buffer=buf)
+
+        return rule
+
+    def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array):
+        """The prefill rule of GDN layer ``gi`` (``T > 1`` tokens per row, the first
+        ``num_tokens[b]`` of row ``b`` live) reading its initial recurrent state and writing the
+        final one in place (:func:`pallas_kernels.arena_prefill.recurrent_prefill`, the arena
+        aliased): ``rule(q, k, v, g, beta, *, use_qk_l2norm) -> (o [B, T, Hv, V], ArenaCache)``,
+        the returned cache holding the updated arena; ``None`` unless the prefill kernel is
+        selected (then :meth:`gdn_state` / :meth:`with_gdn_state`).
+
+        As the XLA path: rows at length 0 start from a zero state and are written (also with
+        no live token); padding rows (handle ``-1``) run from a zero state and are not
+        written."""
+        kn = self.kernels
+        if not kn.prefill:
+            return None
+        from pallas_kernels.arena_prefill import recurrent_prefill
+
+        sp = self.spec
+        h = self.state_handles
+
+        def rule(q, k, v, g, beta, *, use_qk_l2norm: bool):
+            o, buf = recurrent_prefill(
+                q, k, v, g, beta, self.buffer, self._kernel_table(), jnp.where(h >= 0, h, -1),
+                state_offset=sp.state_offset + gi * sp.state_words, num_tokens=num_tokens,
+                use_qk_l2norm=use_qk_l2norm, zero_state=self.lengths <= 0,
+                interpret=kn.interpret,
+            )  # fmt: skip
+            return o, dataclasses.replace(self, buffer=buf)
 
         return rule
 
