@@ -43,21 +43,22 @@ def _arena(rng, s0):
     return arena
 
 
-def _span(h, hv):
-    seg, word = TABLE[h]
-    return seg, slice(word + OFFSET, word + OFFSET + hv * K * V)
+def _span(h, hv, table=TABLE, k=K, v=V):
+    seg, word = table[h]
+    return seg, slice(word + OFFSET, word + OFFSET + hv * k * v)
 
 
-def _states(arena, hv):
-    """The valid rows' states in ``arena`` (padding rows: None) and a mask of every other word."""
+def _states(arena, hv, handles=HANDLES, table=TABLE, k=K, v=V):
+    """The valid rows' states in ``arena`` (padding rows: None) and a mask of every other word
+    (also the arena prefill tests', with their own table and handles)."""
     other = np.ones(arena.shape, bool)
     out = []
-    for h in HANDLES:
+    for h in handles:
         if h < 0:
             out.append(None)
             continue
-        seg, span = _span(h, hv)
-        out.append(arena[seg, span].view(np.float32).reshape(hv, K, V))
+        seg, span = _span(h, hv, table, k, v)
+        out.append(arena[seg, span].view(np.float32).reshape(hv, k, v))
         other[seg, span] = False
     return out, other
 

@@ -16,6 +16,7 @@ import pytest
 
 from gdn_jax import recurrent_gated_delta_rule
 from pallas_kernels.arena_prefill import recurrent_prefill
+from tests.pallas_kernels import test_arena_decode as decode_tests
 
 K, V = 16, 32
 SEGMENTS, WORDS, OFFSET = 5, 4096, 100
@@ -35,8 +36,7 @@ def _inputs(rng, b, t, hk, hv, dtype):
 
 
 def _span(h, hv):
-    seg, word = TABLE[h]
-    return seg, slice(word + OFFSET, word + OFFSET + hv * K * V)
+    return decode_tests._span(h, hv, TABLE, K, V)
 
 
 def _arena(rng, s0):
@@ -52,16 +52,7 @@ def _arena(rng, s0):
 
 
 def _states(arena, hv):
-    other = np.ones(arena.shape, bool)
-    out = []
-    for h in HANDLES:
-        if h < 0:
-            out.append(None)
-            continue
-        seg, span = _span(h, hv)
-        out.append(arena[seg, span].view(np.float32).reshape(hv, K, V))
-        other[seg, span] = False
-    return out, other
+    return decode_tests._states(arena, hv, HANDLES, TABLE, K, V)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm"), donate_argnums=5)
