@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -259,8 +260,14 @@ def test_paged_attention_route_guard():
     pos = np.array([[19]], np.int32)
     with pytest.raises(ValueError, match="paged attention kernel"):
         _xla_attention(parts, lens, q, pos, np.float32, dataclasses.replace(KERNEL, strict=True))
-    got = _xla_attention(parts, lens, q, pos, np.float32, KERNEL)  # XLA's
-    assert got.shape == q.shape
+    # traced, not run: XLA's int32 einsum has no GPU GEMM, and the route is what is tested here
+    jaxpr = jax.make_jaxpr(lambda: _xla_attention(parts, lens, q, pos, np.float32, KERNEL))()
+    assert "pallas_call" not in str(jaxpr)
+    assert jaxpr.out_avals[0].shape == q.shape
+    qf = q.astype(jnp.float32)  # the control: float queries do take the kernel
+    assert "pallas_call" in str(
+        jax.make_jaxpr(lambda: _xla_attention(parts, lens, qf, pos, np.float32, KERNEL))()
+    )
     kw = dict(layer=LAYER, kv_offset=OFFSET, page_size=S, kv_heads=HKV, kv_dtype=np.float32,
               scale=0.25, interpret=True)  # fmt: skip
     q, lens = q.astype(jnp.float32), jnp.asarray(lens)
