@@ -22,8 +22,33 @@ Reported per batch size: median seconds of the jitted step over ``--reps`` calls
 warm-up), the bytes the step must move (read + write of every state), the rate achieved, the
 floor (bytes / measured copy bandwidth) and each storage's time over ``native``.
 
+``--step prefill``: one engine-sized prefill chunk of ``T`` tokens (``--chunk``, default 16,64)
+per row instead of one decode token, over the same layers and batch sizes. Per layer the
+recurrent state is read, the chunk's ``T`` tokens run through it (q/k l2norm) and the final
+state written back; the conv state is read and replaced by the chunk's last ``W-1`` pre-conv
+inputs (as the engine's prefill leaves it). Storages:
+
+- ``native``: dense per-layer arrays, ``gdn_jax.chunk_gated_delta_rule`` (the no-arena floor);
+- ``arena``: the engine's XLA path: each row's state gathered through the handle table as a
+  word window (``ArenaCache.gdn_state``), the chunked rule the model's GDN layer calls without
+  a rule (``chunk_gated_delta_rule``, ``impl`` from ``--prefill-impl``, default ``"auto"`` as
+  the engine: the Pallas chunked kernel on GPU, XLA elsewhere) and the final state scattered
+  back (``with_gdn_state``);
+- ``arena_kernel``: the Pallas arena prefill kernel reading and writing the state in place
+  (``ArenaCache.gdn_prefill_rule``, :func:`pallas_kernels.arena_prefill.recurrent_prefill`;
+  interpret mode off GPU).
+
+Every step returns each layer's output ``o [B, T, Hv, V]``. Reported per ``(B, T)``: median
+seconds, the bytes the step must move (state and conv read + write, q/k/v/g/beta and the
+conv tail read, ``o`` written), the floor over the copy bandwidth (``--bandwidth`` GB/s, or
+measured), ``kernel / arena`` and the kernel's final states and outputs against ``arena``'s
+(max abs diff; the states must agree to 1e-3 of their largest magnitude, the bf16 outputs to
+1e-2; checked after the JSON is written).
+
     python benchmarks/arena_read.py --json results.json
     python benchmarks/arena_read.py --num-layers 4 --batch 1,2 --reps 5   # CPU smoke
+    python benchmarks/arena_read.py --step prefill --batch 1,16,64 --chunk 16,64 --reps 5
+    python benchmarks/arena_read.py --step prefill --smoke --json p.json  # CPU smoke (<1 min)
 """
 
 from __future__ import annotations
@@ -45,9 +70,15 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gdn_jax import recurrent_gated_delta_rule  # noqa: E402
+from gdn_jax import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
+from gdn_jax.dispatch import resolve_impl  # noqa: E402
 from serving.memory import MemoryManager, OutOfMemoryError, layout_for  # noqa: E402
-from serving.memory.model_cache import ArenaCache, ArenaKernels, ArenaSpec  # noqa: E402
+from serving.memory.model_cache import (  # noqa: E402
+    XLA_KERNELS,
+    ArenaCache,
+    ArenaKernels,
+    ArenaSpec,
+)
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3_5_35b_a3b.json"
 
@@ -234,6 +265,212 @@ def run(args) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------ prefill step
+
+STATE_TOL = 1e-3  # f32 final states: max |kernel - arena| / max |arena|
+OUT_TOL = 1e-2  # bf16 outputs (one bf16 ulp is 2**-8 of the value)
+
+
+def make_prefill_inputs(key, layers, b, t, spec: ArenaSpec, hk: int):
+    """``q, k [L, B, T, Hk, K]``, ``v [L, B, T, Hv, V]`` (bf16), ``g, beta [L, B, T, Hv]`` f32 and
+    the conv tail ``[L, B, W-1, C]`` (the chunk's last pre-conv inputs, the new conv state)."""
+    hv, kd, vd = spec.state_shape
+    ks = jax.random.split(key, 6)
+    q = jax.random.normal(ks[0], (layers, b, t, hk, kd), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (layers, b, t, hk, kd), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (layers, b, t, hv, vd), jnp.bfloat16)
+    g = -jax.random.uniform(ks[3], (layers, b, t, hv), jnp.float32, 0.01, 0.5)
+    beta = jax.random.uniform(ks[4], (layers, b, t, hv), jnp.float32, 0.1, 0.9)
+    tail = jax.random.normal(ks[5], (layers, b, *spec.conv_shape), jnp.bfloat16)
+    return q, k, v, g, beta, tail
+
+
+def prefill_bytes(spec: ArenaSpec, layers: int, b: int, t: int, hk: int) -> int:
+    """Bytes one prefill step must move: state and conv read + write, the inputs read and the
+    output written (bf16 q/k/v/o, f32 g/beta)."""
+    hv, kd, vd = spec.state_shape
+    conv = int(np.prod(spec.conv_shape)) * 2
+    state = hv * kd * vd * 4
+    per_token = 2 * hk * kd * 2 + hv * vd * 2 + 2 * hv * 4 + hv * vd * 2
+    return layers * b * (2 * state + 3 * conv + t * per_token)
+
+
+def build_prefill(spec: ArenaSpec, layers: int, impl: str):
+    """The three jitted prefill steps ``(storage, *inputs) -> (storage, (outputs, acc))``,
+    storage donated; ``outputs`` holds each layer's ``o``, ``acc`` a sum over the conv states
+    read (so they are not dead)."""
+
+    def rule(q, k, v, g, beta, ssm):
+        return chunk_gated_delta_rule(q, k, v, g, beta, ssm, use_qk_l2norm=True, impl=impl)
+
+    def conv_acc(conv):
+        return jnp.sum(conv[:, -1], dtype=jnp.float32) * 1e-3
+
+    def native(storage, *inputs):
+        ssm, conv = storage
+        outs, acc = [], jnp.float32(0)
+        for i in range(layers):
+            q, k, v, g, beta, tail = (a[i] for a in inputs)
+            o, s = rule(q, k, v, g, beta, ssm[i])
+            acc = acc + conv_acc(conv[i])
+            ssm, conv = ssm.at[i].set(s), conv.at[i].set(tail)
+            outs.append(o)
+        return (ssm, conv), (tuple(outs), acc)
+
+    def cache_for(buf, table, handles, kernels=XLA_KERNELS):
+        b = handles.shape[0]
+        return ArenaCache(
+            buf, table, handles, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), spec,
+            kernels,
+        )  # fmt: skip
+
+    def arena(buf, *inputs, table, handles):
+        cache = cache_for(buf, table, handles)
+        outs, acc = [], jnp.float32(0)
+        for i in range(layers):
+            q, k, v, g, beta, tail = (a[i] for a in inputs)
+            conv, ssm = cache.gdn_state(i)
+            o, s = rule(q, k, v, g, beta, ssm)
+            cache, acc = cache.with_gdn_state(i, tail, s), acc + conv_acc(conv)
+            outs.append(o)
+        return cache.buffer, (tuple(outs), acc)
+
+    kernels = ArenaKernels(prefill=True, interpret=jax.default_backend() != "gpu")
+
+    def arena_kernel(buf, *inputs, table, handles):
+        cache = cache_for(buf, table, handles, kernels)
+        b, t = inputs[0].shape[1:3]
+        num_tokens = jnp.full((b,), t, jnp.int32)
+        outs, acc = [], jnp.float32(0)
+        for i in range(layers):
+            q, k, v, g, beta, tail = (a[i] for a in inputs)
+            conv = cache.gdn_conv_state(i)
+            o, cache = cache.gdn_prefill_rule(i, num_tokens)(q, k, v, g, beta, use_qk_l2norm=True)
+            cache, acc = cache.with_gdn_conv_state(i, tail), acc + conv_acc(conv)
+            outs.append(o)
+        return cache.buffer, (tuple(outs), acc)
+
+    @jax.jit
+    def state_diff(buf_a, buf_b, table, handles):
+        """``(max |a - b|, max |b|)`` over every layer's recurrent state of the rows."""
+        ca, cb = cache_for(buf_a, table, handles), cache_for(buf_b, table, handles)
+        diff = ref = jnp.float32(0)
+        for i in range(layers):
+            sa, sb = ca.gdn_state(i)[1], cb.gdn_state(i)[1]
+            diff = jnp.maximum(diff, jnp.max(jnp.abs(sa - sb)))
+            ref = jnp.maximum(ref, jnp.max(jnp.abs(sb)))
+        return diff, ref
+
+    steps = tuple(jax.jit(f, donate_argnums=0) for f in (native, arena, arena_kernel))
+    return (*steps, state_diff)
+
+
+def out_diff(outs_a, outs_b) -> tuple[float, float]:
+    """``(max |a - b|, max |b|)`` over every layer's output (f32)."""
+    diff = ref = 0.0
+    for a, b in zip(outs_a, outs_b, strict=True):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        diff = max(diff, float(jnp.max(jnp.abs(a - b))))
+        ref = max(ref, float(jnp.max(jnp.abs(b))))
+    return diff, ref
+
+
+def run_prefill(args, on_row=None) -> tuple[list[dict], dict]:
+    """The prefill rows and the run's metadata; ``on_row(rows, meta)`` after every row (so a
+    run cut short by a time limit keeps what it measured)."""
+    layout = layout_for(str(args.config), args.page_size, num_layers=args.num_layers)
+    hk = layout.k_heads
+    spec = ArenaSpec.from_layout(layout, jnp.bfloat16)
+    lg = spec.gdn_layers
+    hv, kd, vd = spec.state_shape
+    native_j, arena_j, kernel_j, state_diff = build_prefill(spec, lg, args.prefill_impl)
+    slot_bytes = lg * (hv * kd * vd * 4 + int(np.prod(spec.conv_shape)) * 2)
+    if args.bandwidth:
+        bw = args.bandwidth * 1e9
+    else:
+        bw = copy_bandwidth(min(1 << 30, max(64 << 20, 4 * slot_bytes)), args.reps)
+    rows = []
+    meta = dict(step="prefill", prefill_impl=args.prefill_impl, chunk_impl=None,
+                state_tol=STATE_TOL, out_tol=OUT_TOL)  # fmt: skip
+    for b in args.batch:
+        ssm0 = 0.05 * jax.random.normal(jax.random.PRNGKey(100 + b), (lg, b, hv, kd, vd))
+        conv0 = jax.random.normal(
+            jax.random.PRNGKey(200 + b), (lg, b, *spec.conv_shape), jnp.bfloat16
+        )
+        # the arena: room for 2B states, every other one freed (non-contiguous), as decode's
+        mm, handles = arena_with_states(layout, 2 * b)
+        for i in range(0, 2 * b, 2):
+            mm.free(("req", i))
+        live = jnp.asarray(handles[1::2], jnp.int32)
+        for i, h in enumerate(handles[1::2]):
+            mm.write("state", h, ssm0[:, i], field="recurrent")
+            mm.write("state", h, conv0[:, i], field="conv")
+        table = mm.device_table()
+        first, mm.arena.buffer = mm.arena.buffer, None
+        del mm
+        astep = functools.partial(arena_j, table=table, handles=live)
+        kstep = functools.partial(kernel_j, table=table, handles=live)
+        for t in args.chunk:
+            inputs = make_prefill_inputs(jax.random.PRNGKey(1000 * b + t), lg, b, t, spec, hk)
+            resolved = resolve_impl(args.prefill_impl, "chunk_gated_delta_rule", *inputs[:3], 64)
+            times = {}
+            if not args.no_native:
+                times["native"] = median_time(native_j, (ssm0 + 0, conv0 + 0), inputs, args.reps)
+            # one step of each from the same starting arena: final states and outputs must agree
+            ref_buf, (ref_o, _) = astep(jnp.copy(first), *inputs)
+            k_buf, (k_o, _) = kstep(jnp.copy(first), *inputs)
+            sd, sr = (float(x) for x in state_diff(k_buf, ref_buf, table, live))
+            od, orf = out_diff(k_o, ref_o)
+            del ref_buf, k_buf, ref_o, k_o
+            times["arena"] = median_time(astep, jnp.copy(first), inputs, args.reps)
+            times["arena_kernel"] = median_time(kstep, jnp.copy(first), inputs, args.reps)
+            moved = prefill_bytes(spec, lg, b, t, hk)
+            row = dict(
+                batch=b, chunk=t, gdn_layers=lg, chunk_impl=resolved, bytes_moved=moved,
+                floor_s=moved / bw, copy_bandwidth_Bps=bw,
+            )  # fmt: skip
+            for name, s in times.items():
+                row[f"{name}_s"] = s
+                row[f"{name}_GBps"] = moved / s / 1e9
+            if "native" in times:
+                row["arena_over_native"] = times["arena"] / times["native"]
+                row["kernel_over_native"] = times["arena_kernel"] / times["native"]
+            row["kernel_over_arena"] = times["arena_kernel"] / times["arena"]
+            row["kernel_over_floor"] = times["arena_kernel"] / row["floor_s"]
+            row["state_max_abs_diff"] = sd
+            row["state_rel_err"] = sd / max(sr, 1e-30)
+            row["out_max_abs_diff"] = od
+            row["out_rel_err"] = od / max(orf, 1e-30)
+            row["exact"] = row["state_rel_err"] <= STATE_TOL and row["out_rel_err"] <= OUT_TOL
+            rows.append(row)
+            meta["chunk_impl"] = resolved
+            if on_row is not None:
+                on_row(rows, meta)
+            print(f"batch {b} chunk {t}: done", file=sys.stderr)
+        del first
+    return rows, meta
+
+
+def prefill_table(rows: list[dict], device: str) -> str:
+    impl = rows[0]["chunk_impl"] if rows else "?"
+    head = (
+        "| B | T | GDN layers | bytes / step | floor ms | native ms | arena (windows) ms "
+        "| arena kernel ms | kernel / arena | kernel / floor | state max diff | state rel "
+        "| out max diff | out rel |"
+    )
+    lines = [f"device: {device}; arena/native chunked rule: {impl}", head, "|" + " --- |" * 14]
+    for r in rows:
+        native = f"{1e3 * r['native_s']:.2f}" if "native_s" in r else "-"
+        lines.append(
+            f"| {r['batch']} | {r['chunk']} | {r['gdn_layers']} | {r['bytes_moved'] / 2**20:.0f} MiB "
+            f"| {1e3 * r['floor_s']:.2f} | {native} | {1e3 * r['arena_s']:.2f} "
+            f"| {1e3 * r['arena_kernel_s']:.2f} | {r['kernel_over_arena']:.2f} "
+            f"| {r['kernel_over_floor']:.1f} | {r['state_max_abs_diff']:.1e} "
+            f"| {r['state_rel_err']:.1e} | {r['out_max_abs_diff']:.1e} | {r['out_rel_err']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], device: str) -> str:
     head = (
         "| batch | GDN layers | state bytes / step | floor ms | native ms | pooled ms "
@@ -282,9 +519,48 @@ def main(argv=None) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20, help="timed calls per cell (median)")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    p.add_argument(
+        "--step",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="one decode token (default) or one prefill chunk of --chunk tokens per row",
+    )
+    p.add_argument(
+        "--chunk", type=ints, default=[16, 64], help="prefill: tokens per row (default: 16,64)"
+    )
+    p.add_argument(
+        "--prefill-impl",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="prefill: impl of the native/arena chunked rule (default: auto, as the engine)",
+    )
+    p.add_argument("--no-native", action="store_true", help="prefill: skip the dense reference")
+    p.add_argument(
+        "--bandwidth", type=float, default=None, help="floor bandwidth in GB/s (default: measured)"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny CPU run: 4 layers (3 GDN), batch 1,2, chunk 16, 2 reps",
+    )
     args = p.parse_args(argv)
-    rows = run(args)
+    if args.smoke:
+        args.num_layers, args.batch, args.chunk, args.reps = 4, [1, 2], [16], 2
     device = str(jax.devices()[0].device_kind)
+    if args.step == "prefill":
+
+        def dump(rows, meta):
+            if args.json:
+                args.json.write_text(json.dumps(dict(device=device, **meta, rows=rows), indent=2))
+
+        rows, meta = run_prefill(args, dump)
+        dump(rows, meta)
+        print(prefill_table(rows, device))
+        bad = [(r["batch"], r["chunk"]) for r in rows if not r["exact"]]
+        if bad:
+            raise SystemExit(f"arena prefill kernel disagrees with the XLA windows at (B, T) {bad}")
+        return
+    rows = run(args)
     print(table(rows, device))
     if args.json:
         args.json.write_text(json.dumps(dict(device=device, rows=rows), indent=2))
