@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Ready for the next H200 session (not run yet). Three calls, `carry: [".whl"]`:
+# Ready for the next H200 session (a and b ran in session 5). Four calls, `carry: [".whl"]`:
 #   bash benchmarks/h200_next.sh a   # engine kernel tests, then the serving bench on XLA
 #   bash benchmarks/h200_next.sh b   # the serving bench on the arena kernels, B = 1 verify spread
 #   bash benchmarks/h200_next.sh c   # the arena prefill kernel against XLA windows + chunked rule
+#   bash benchmarks/h200_next.sh d   # the serving bench at real dims (Qwen3.5-35B cut to 8 layers)
 # Session 4 found that the bench compiles for ~35-70 s per engine on the GPU (four engines, no
 # persistent cache on a fresh machine), so each bench gets most of a call.
 set -u
@@ -26,5 +27,17 @@ c)
   # the JSON is rewritten after every (B, T) row, so a cut run keeps what it measured.
   TAILN=12 step 240 arena_prefill python3 benchmarks/arena_read.py --step prefill --batch 1,16,64 \
     --chunk 16,64 --reps 5 --json "$OUT/arena_prefill.json"
+  ;;
+d)
+  # The serving bench at real dims: Qwen3.5-35B-A3B's text config cut to 8 layers (6 GDN, 2
+  # attention, 256 experts each), random bf16 weights, n-gram drafting (a random model has no
+  # trained drafter), 16 requests of 96 prompt tokens and 32 new ones, batch 16, arena kernels.
+  # (../shared does not travel to the device, so the config is written here)
+  cat > /tmp/qwen35_35b_8l.json <<'JSON'
+{"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 8, "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "attn_output_gate": true, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "mtp_num_hidden_layers": 1, "mamba_ssm_dtype": "float32", "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25}, "tie_word_embeddings": false}
+JSON
+  TAILN=10 step 330 bench_35b_8l python3 -m serving bench --config /tmp/qwen35_35b_8l.json \
+    --dtype bfloat16 --num-prompts 16 --max-num-seqs 16 --max-tokens 32 --kernels auto \
+    --compile-cache "" --json "$OUT/bench_35b_8l.json"
   ;;
 esac
