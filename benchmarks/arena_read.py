@@ -225,16 +225,7 @@ def run(args) -> list[dict]:
         )
         times["pooled"] = median_time(pooled_j, pool, (slots, *inputs), args.reps)
         del pool
-        # arena: a manager with room for 2B states; every other slot freed (non-contiguous)
-        mm, handles = arena_with_states(layout, 2 * b)
-        for i in range(0, 2 * b, 2):
-            mm.free(("req", i))
-        live = jnp.asarray(handles[1::2], jnp.int32)
-        for i, h in enumerate(handles[1::2]):
-            mm.write("state", h, ssm0[:, i], field="recurrent")
-            mm.write("state", h, conv0[:, i], field="conv")
-        table = mm.device_table()
-        buf, mm.arena.buffer = mm.arena.buffer, None
+        buf, table, live = sparse_arena(layout, ssm0, conv0)
         first = jnp.copy(buf)
         times["arena"] = median_time(
             functools.partial(arena_j, table=table, handles=live), buf, inputs, args.reps
@@ -247,7 +238,7 @@ def run(args) -> list[dict]:
         row_err = float(jnp.abs(k_acc - ref_acc) / jnp.maximum(jnp.abs(ref_acc), 1e-6))
         del ref_buf, k_buf
         times["arena_kernel"] = median_time(kstep, first, inputs, args.reps)
-        del buf, mm
+        del buf
         moved = 2 * b * slot_bytes
         row = dict(
             batch=b, gdn_layers=lg, bytes_moved=moved, floor_s=moved / bw, copy_bandwidth_Bps=bw
@@ -401,17 +392,7 @@ def run_prefill(args, on_row=None) -> tuple[list[dict], dict]:
         conv0 = jax.random.normal(
             jax.random.PRNGKey(200 + b), (lg, b, *spec.conv_shape), jnp.bfloat16
         )
-        # the arena: room for 2B states, every other one freed (non-contiguous), as decode's
-        mm, handles = arena_with_states(layout, 2 * b)
-        for i in range(0, 2 * b, 2):
-            mm.free(("req", i))
-        live = jnp.asarray(handles[1::2], jnp.int32)
-        for i, h in enumerate(handles[1::2]):
-            mm.write("state", h, ssm0[:, i], field="recurrent")
-            mm.write("state", h, conv0[:, i], field="conv")
-        table = mm.device_table()
-        first, mm.arena.buffer = mm.arena.buffer, None
-        del mm
+        first, table, live = sparse_arena(layout, ssm0, conv0)
         astep = functools.partial(arena_j, table=table, handles=live)
         kstep = functools.partial(kernel_j, table=table, handles=live)
         for t in args.chunk:
@@ -492,6 +473,23 @@ def table(rows: list[dict], device: str) -> str:
             f"| {r['kernel_over_arena']:.2f} | {r['kernel_rel_err_vs_arena']:.1e} |"
         )
     return "\n".join(lines)
+
+
+def sparse_arena(layout, ssm0, conv0):
+    """``(buffer, table, handles)``: an arena with room for 2B states, every other one freed
+    (non-contiguous), the B live ones holding ``ssm0, conv0 [Lg, B, ...]``; the manager is
+    dropped and the buffer handed over."""
+    b = ssm0.shape[1]
+    mm, handles = arena_with_states(layout, 2 * b)
+    for i in range(0, 2 * b, 2):
+        mm.free(("req", i))
+    live = jnp.asarray(handles[1::2], jnp.int32)
+    for i, h in enumerate(handles[1::2]):
+        mm.write("state", h, ssm0[:, i], field="recurrent")
+        mm.write("state", h, conv0[:, i], field="conv")
+    table = mm.device_table()
+    buf, mm.arena.buffer = mm.arena.buffer, None
+    return buf, table, live
 
 
 def arena_with_states(layout, count: int):
