@@ -87,6 +87,16 @@ class Engine:
         dense = (slots, pages, lens)
         return ((handles, kv, lens) if self.runner.kind == "arena" else dense), dense
 
+    def _scratch(self, reqs: list[Request], b: int) -> np.ndarray:
+        """The target's speculative-scratch handles of the batch padded to ``b`` rows (arena
+        cache): ``int32 [B]`` stash handles (tree WY) or ``int32 [B, N]`` snapshot handles, one
+        per node; ``-1`` for padding rows, whose scratch writes are dropped."""
+        shape = (b, self.num_nodes) if self.snapshot else (b,)
+        out = np.full(shape, -1, np.int32)
+        for i, r in enumerate(reqs):
+            out[i] = r.spec_handles if self.snapshot else r.spec_handles[0]
+        return out
+
     def _emit(self, req: Request, tokens: list[int], now: float) -> None:
         p = req.params
         for t in tokens:
@@ -193,8 +203,11 @@ class Engine:
         parents[:, 0] = -1
         for i, tb in enumerate(builders):
             tokens[i], parents[i] = tb.arrays(n)
+        # the arena runner writes the tree state into the requests' scratch units and returns
+        # their handles as ``tree``; the pools runner returns it as a device value
+        kw = {"scratch": self._scratch(reqs, b)} if self.runner.kind == "arena" else {}
         logits, am, hidden, tree = self.runner.verify(
-            *rows, tokens, parents, snapshot=self.snapshot
+            *rows, tokens, parents, snapshot=self.snapshot, **kw
         )
         am = np.asarray(am)
         logits_h = None if all(r.params.greedy for r in reqs) else np.asarray(logits)
@@ -212,7 +225,7 @@ class Engine:
             path_len[i] = len(path)
             nexts.append(nxt)
         self.runner.commit(*rows, tree, paths, path_len)
-        del tree  # the speculative scratch: freed before the next step
+        del tree  # pools: the transient tree state, freed before the next step
         if self.draft_runner is not None:
             chunk = np.zeros((b, self.depth + 1), np.int32)
             for i in range(len(reqs)):

@@ -5,8 +5,10 @@ Two storages, one set of step functions (:mod:`gdn_jax.models.steps`):
 - :class:`ArenaRunner` (the engine's default for the target model): the cache lives only in
   the memory manager's arena (``MemoryManager.arena.buffer``, donated to every step so it is
   updated in place), addressed by the requests' ``state`` and ``kv`` handles through the
-  manager's device handle table (:class:`serving.memory.model_cache.ArenaCache`). Migrations
-  and compactions move units and update the table; the next step reads the new table.
+  manager's device handle table (:class:`serving.memory.model_cache.ArenaCache`); the draft
+  tree's state between verify and commit goes into the requests' ``stash`` / ``snapshot``
+  units the same way (:meth:`ArenaRunner.verify`). Migrations and compactions move units and
+  update the table; the next step reads the new table.
 - :class:`ModelRunner`: its own pools (``cache="pools"``, and the draft model, which the
   manager does not hold).
 
@@ -29,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.models import steps
-from gdn_jax.models.cache import ModelCache, init_cache
+from gdn_jax.models.cache import ModelCache, TreeState, init_cache
 from gdn_jax.models.model import HybridLM
 from serving.memory import MemoryManager
 from serving.memory.model_cache import (
@@ -171,34 +173,53 @@ class ModelRunner:
         self.pool = self._commit(self.pool, slots, table, lengths, tree, path, path_len)
 
 
+# GatedDeltaNet.tree verifies with use_qk_l2norm=True (the TreeCache's static flag, which the
+# arena's stash does not store)
+_TREE_QK_L2NORM = True
+
+
 @functools.cache
 def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS):
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
-    decode, commit); ``verify`` only reads it. ``kernels`` picks XLA or the in-place Pallas
-    kernels for verify and commit, and for decode's GDN layers when ``kernels.decode``
+    decode, verify, commit). ``kernels`` picks XLA or the in-place Pallas kernels for verify
+    and commit, and for decode's GDN layers when ``kernels.decode``
     (:func:`_arena_decode_program`); prefill and decode take the attention kernel when
     ``kernels.attention`` (their GDN layers stay on XLA windows unless ``kernels.decode`` /
     ``kernels.prefill``), so those programs are shared by every ``kernels`` choice with the
-    same attention choice (:func:`_arena_sequence_programs`)."""
+    same attention choice (:func:`_arena_sequence_programs`).
+
+    ``verify`` with ``scratch`` handles (``int32 [B]`` stash or ``[B, N]`` snapshot units)
+    writes the tree state into those units (:meth:`ArenaCache.write_tree_state`) and returns
+    the arena; ``commit`` given those handles in place of a tree state reads it back from them
+    (:meth:`ArenaCache.read_tree_state`). Without ``scratch``, ``verify`` returns the tree
+    state as a transient device value (and not the arena: run it undonated, the fifth program)
+    and ``commit`` takes it: the reference path for tests and tools."""
 
     def cache_of(buf, table, handles, pages, lengths):
         return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
 
-    def verify(state, buf, table, handles, pages, lengths, tokens, parents, *, snapshot):
+    def verify(
+        state, buf, table, handles, pages, lengths, tokens, parents, scratch=None, *, snapshot
+    ):
         m = nnx.merge(graphdef, state)
+        cache = cache_of(buf, table, handles, pages, lengths)
         logits, tree, hidden = steps.verify_tree(
-            m,
-            tokens,
-            parents,
-            cache_of(buf, table, handles, pages, lengths),
-            return_hidden=True,
-            snapshot=snapshot,
+            m, tokens, parents, cache, return_hidden=True, snapshot=snapshot
         )
         logits = logits.astype(jnp.float32)
-        return logits, jnp.argmax(logits, -1), hidden, tree
+        if scratch is None:
+            return logits, jnp.argmax(logits, -1), hidden, tree
+        if scratch.ndim != (2 if snapshot else 1):
+            raise ValueError(
+                f"verify(snapshot={snapshot}): scratch handles must be int32 "
+                f"{'[B, N] snapshot' if snapshot else '[B] stash'} units, got {scratch.shape}"
+            )
+        return logits, jnp.argmax(logits, -1), hidden, cache.write_tree_state(tree, scratch).buffer
 
     def commit(buf, table, handles, pages, lengths, tree, path, path_len):
         cache = cache_of(buf, table, handles, pages, lengths)
+        if not isinstance(tree, TreeState):  # the scratch handles: the tree is in the arena
+            tree = cache.read_tree_state(tree, path, path_len, qk_l2norm=_TREE_QK_L2NORM)
         return steps.commit(cache, tree, path, path_len).buffer
 
     prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels))
@@ -209,8 +230,9 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
     return (
         prefill,
         decode,
-        jax.jit(verify, static_argnames="snapshot"),
+        jax.jit(verify, donate_argnums=1, static_argnames="snapshot"),
         jax.jit(commit, donate_argnums=0),
+        jax.jit(verify, static_argnames="snapshot"),  # transient: no scratch, arena only read
     )
 
 
@@ -303,7 +325,12 @@ class ArenaRunner:
     (:func:`pallas_kernels.arena_prefill.recurrent_prefill`, a sequential scan) only with
     ``"pallas"``: not measured on a GPU yet, so ``"auto"`` keeps XLA windows there. Not wired
     to the kernels on any setting: the snapshot verify method, the conv state (a small
-    ``(W-1) x C`` window per layer) and the K/V writes (new tokens', accepted nodes').
+    ``(W-1) x C`` window per layer), the K/V writes (new tokens', accepted nodes') and the
+    speculative scratch's writes and reads (one window per stash field; the commit kernel gets
+    the stash's ``k, u, g`` read out by XLA windows).
+
+    The speculative scratch lives in the arena (:meth:`verify`): the tree state goes into the
+    rows' ``stash`` / ``snapshot`` units, and :meth:`commit` reads it from there.
     """
 
     def __init__(self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto"):
@@ -317,15 +344,26 @@ class ArenaRunner:
         self.kernel_choice, self.kernel_notes = select_kernels(kernels, self.spec, model.config)
         self.kernels = self.kernel_choice.name  # "xla" or "pallas", as resolved
         graphdef, self._state = nnx.split(model)
-        self._prefill, self._decode, self._verify, self._commit = _arena_programs(
-            graphdef, self.spec, self.kernel_choice
-        )
+        (
+            self._prefill,
+            self._decode,
+            self._verify,
+            self._commit,
+            self._verify_transient,
+        ) = _arena_programs(graphdef, self.spec, self.kernel_choice)
         self._table = None
         self.table_uploads = 0
 
     def compiled(self) -> int:
         return sum(
-            f._cache_size() for f in (self._prefill, self._decode, self._verify, self._commit)
+            f._cache_size()
+            for f in (
+                self._prefill,
+                self._decode,
+                self._verify,
+                self._commit,
+                self._verify_transient,
+            )
         )
 
     def table(self) -> jax.Array:
@@ -358,23 +396,42 @@ class ArenaRunner:
         )
         return logits, am, hidden
 
-    def verify(self, handles, pages, lengths, tokens, parents, *, snapshot: bool = False):
-        """``(logits [B, N, V], argmax [B, N], hidden [B, N, H], tree state)``; the arena is
-        only read. The tree state (speculative scratch) is a transient device value outside
-        the arena until :meth:`commit` consumes it."""
-        return self._verify(
-            self._state,
-            self._buf,
-            self.table(),
-            handles,
-            pages,
-            lengths,
-            tokens,
-            parents,
-            snapshot=snapshot,
-        )
+    def verify(
+        self, handles, pages, lengths, tokens, parents, *, snapshot: bool = False, scratch=None
+    ):
+        """``(logits [B, N, V], argmax [B, N], hidden [B, N, H], tree)`` for :meth:`commit`.
+
+        The tree state (the speculative scratch) lives in the arena: ``scratch`` holds each
+        row's scratch handles, ``int32 [B]`` (its ``stash`` unit; tree WY) or ``int32 [B, N]``
+        (its ``N`` ``snapshot`` units; ``snapshot=True``), ``-1`` for padding rows (nothing
+        written). Verify writes the tree state into those units through the donated arena, in
+        place (:meth:`ArenaCache.write_tree_state`: stash fields ``u, k, g, x, dk, dv``; per
+        snapshot node its states, pre-conv inputs and draft K/V), and returns ``scratch`` as
+        ``tree``: :meth:`commit` reads the tree state back from the units (on the kernel path
+        the GDN commit kernel gets the stash's ``k, u, g`` read out by XLA windows). So no
+        device buffer but the arena outlives the step. The units must stay allocated and
+        unmoved (no allocation) between the two calls; the engine allocates them at admission
+        (:class:`serving.scheduler.Scheduler`).
+
+        Without ``scratch`` (tests, tools): the arena is only read, and ``tree`` is the
+        :class:`gdn_jax.models.cache.TreeState` as a transient device value outside the arena
+        until :meth:`commit` consumes it (the reference the in-arena path is checked
+        against)."""
+        if scratch is None:
+            return self._verify_transient(
+                self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents,
+                snapshot=snapshot,
+            )  # fmt: skip
+        scratch = np.asarray(scratch, np.int32)
+        logits, am, hidden, self._buf = self._verify(
+            self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents,
+            scratch, snapshot=snapshot,
+        )  # fmt: skip
+        return logits, am, hidden, scratch
 
     def commit(self, handles, pages, lengths, tree, path, path_len):
+        """Accepts ``path[b, :path_len[b]]``: ``tree`` is what :meth:`verify` returned (the
+        scratch handles, or the transient tree state)."""
         table = self.table()
         self._buf = self._commit(self._buf, table, handles, pages, lengths, tree, path, path_len)
 

@@ -4,7 +4,9 @@ Memory comes from the :class:`~serving.memory.MemoryManager`: per request one ``
 its speculative scratch (one ``stash`` unit of ``N`` nodes for tree WY, ``N`` ``snapshot``
 units for the snapshot method) and one ``kv`` page per ``page_size`` tokens, grown before each
 step. With the arena cache (the default) the step functions read and write the target's cache
-through these handles (``Request.state_handle``, ``Request.kv_handles``). Each request also
+through these handles (``Request.state_handle``, ``Request.kv_handles``), and the verify step
+writes the request's draft-tree state into its scratch units (``Request.spec_handles``), which
+the commit reads back (:meth:`serving.runner.ArenaRunner.verify`). Each request also
 keeps a dense slot id and page ids (``slot``, ``pages``) for runners with their own pools (the
 draft model, and the target with ``cache="pools"``).
 
@@ -39,6 +41,8 @@ class Request:
     state_handle: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     kv_handles: list[int] = dataclasses.field(default_factory=list)
+    # speculative scratch: [stash handle] (tree WY) or N snapshot handles (node order)
+    spec_handles: list[int] = dataclasses.field(default_factory=list)
     hidden: np.ndarray | None = None  # target's hidden state at the last cached token (MTP)
     finished: bool = False
     first_token_time: float | None = None
@@ -114,7 +118,7 @@ class Scheduler:
             self.free_slots.append(req.slot)
         self.free_pages.extend(reversed(req.pages))
         req.slot, req.pages, req.kv_handles, req.computed, req.hidden = None, [], [], 0, None
-        req.state_handle = None
+        req.state_handle, req.spec_handles = None, []
 
     def admit(self, max_running: int, first_chunk: int) -> None:
         """Admit waiting requests in order while a slot, a state, the speculative scratch and
@@ -124,7 +128,7 @@ class Scheduler:
             try:
                 (req.state_handle,) = self.manager.alloc(req.rid, "state", 1)
                 if self.spec_kind is not None:
-                    self.manager.alloc(req.rid, self.spec_kind, self.spec_units)
+                    req.spec_handles = self.manager.alloc(req.rid, self.spec_kind, self.spec_units)
             except OutOfMemoryError:
                 self._release(req)
                 return

@@ -10,9 +10,20 @@ kv          kv           kv: [La, 2, page_size, Hkv, D] kv_dtype (K and V of pag
 state       state        recurrent: [Lg, Hv, K, V] f32;  conv: [Lg, conv_kernel-1, conv_dim] bf16
 snapshot    state        same as state: one per-draft-node state (the vLLM/SGLang baseline)
 stash       stash        u: [Lg, N, Hv, V] f32; k: [Lg, N, Hk, K] kv_dtype; g: [Lg, N, Hv] f32;
-                         x: [Lg, N, conv_dim] bf16 (tree-WY stash of N = spec_nodes nodes:
-                         what tree_commit reads, DESIGN.md section 3)
+                         x: [Lg, N, conv_dim] bf16; dk, dv: [La, N, Hkv, D] kv_dtype
+                         (tree-WY stash of N = spec_nodes nodes: u, k, g what tree_commit
+                         reads, DESIGN.md section 3; x the nodes' pre-conv inputs for the
+                         conv commit; dk, dv the attention layers' draft K/V)
 ==========  ===========  =============================================================
+
+The serving engine's arena runner keeps a request's whole speculative scratch (the
+``TreeState`` that ``verify_tree`` returns and ``commit`` consumes) in these units: verify
+writes it into the request's ``stash`` unit, commit reads it back
+(:mod:`serving.memory.model_cache`). The snapshot method's ``N`` ``snapshot`` units hold, per
+node, that node's recurrent states (``recurrent``) and, packed at the start of ``conv``'s words,
+its pre-conv inputs ``[Lg, conv_dim]`` then its draft K and V ``[La, Hkv, D]`` each
+(``ArenaSpec.snapshot_packing`` checks they fit: ``2 La Hkv D`` kv elements within
+``Lg (conv_kernel - 2) conv_dim`` conv elements, true for every Qwen3-Next / Qwen3.5 config).
 
 ``conv_dim = 2 Hk K + Hv V`` (the conv runs over ``[q | k | v]``). Every field starts on a
 4-byte word boundary, so the arena can be a ``uint32`` buffer and each field a bitcast view.
@@ -131,6 +142,10 @@ class HybridLayout:
                 ("k", (lg, n, self.k_heads, self.key_dim), jnp.dtype(self.kv_dtype)),
                 ("g", (lg, n, self.v_heads), jnp.dtype(self.state_dtype)),
                 ("x", (lg, n, self.conv_dim), jnp.dtype(self.conv_dtype)),
+                ("dk", (self.attn_layers, n, self.kv_heads, self.head_dim),
+                 jnp.dtype(self.kv_dtype)),
+                ("dv", (self.attn_layers, n, self.kv_heads, self.head_dim),
+                 jnp.dtype(self.kv_dtype)),
             ])
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 

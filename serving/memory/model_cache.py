@@ -18,6 +18,14 @@ the field's word offset (static, from the manager's layout):
   ``kv`` unit (the unit is ``[La, 2, S, Hkv, D]``); a new token's K/V is a window of
   ``Hkv*D`` elements written by scatter; attention reads the row's pages by a windowed gather.
 
+- speculative scratch (:meth:`ArenaCache.write_tree_state`, :meth:`ArenaCache.read_tree_state`):
+  the ``TreeState`` of a tree verify, written into each row's scratch units (its ``stash``
+  unit: fields ``u, k, g, x, dk, dv``, one windowed scatter per field; or its ``N``
+  ``snapshot`` units: per node its states in ``recurrent`` and its pre-conv inputs and draft
+  K/V packed at the start of ``conv``) and read back by the commit (one windowed gather per
+  field; of the snapshot units only the accepted leaf's states). A scratch handle of ``-1``
+  (padding row) writes nothing.
+
 Rows whose state handle is ``-1`` (padding) or whose length is 0 (a fresh request: its unit
 holds whatever was there before) read zero states; writes of padding rows and unmapped pages
 go to segment ``num_segments``, which the scatter drops. KV positions at or past the row's
@@ -39,7 +47,9 @@ aliased), and prefill's GDN layers (``T > 1`` tokens per row) read their initial
 states and write the final ones in place (:func:`pallas_kernels.arena_prefill.
 recurrent_prefill`, the arena aliased; ``kernels="auto"`` keeps XLA's chunked prefill). Still
 XLA windows on that path: the conv state (``(W-1)*C`` elements per layer), the K/V writes
-(decode's and prefill's new tokens, the accepted nodes') and the snapshot verify method. Rows at length 0 read zero states on both
+(decode's and prefill's new tokens, the accepted nodes'), the snapshot verify method and the
+speculative scratch's writes and reads (the commit kernel gets the stash's ``k, u, g`` read
+out by XLA windows). Rows at length 0 read zero states on both
 paths; a commit of a length-0 row (which the engine never issues: it verifies only prefilled
 requests) leaves that row's recurrent state unwritten on the kernel path.
 """
@@ -54,8 +64,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from gdn_jax import TreeCache
+from gdn_jax.models.cache import TreeState
 from gdn_jax.models.tree_attention import attend
-from serving.memory.layout import WORD_BYTES
+from serving.memory.layout import WORD_BYTES, Field
 
 _MODE = lax.GatherScatterMode.FILL_OR_DROP
 KERNEL_CHOICES = ("xla", "pallas", "auto")
@@ -83,6 +94,9 @@ class ArenaSpec:
     kv_dtype: str
     kv_offset: int
     model_dtype: str
+    # the stash unit's fields (u, k, g, x, dk, dv; serving.memory.layout), for the speculative
+    # scratch (ArenaCache.write_tree_state / read_tree_state); empty: no scratch in the arena
+    stash: tuple[Field, ...] = ()
 
     @staticmethod
     def from_layout(layout, model_dtype, config=None) -> ArenaSpec:
@@ -134,6 +148,7 @@ class ArenaSpec:
             kv_dtype=str(kv.dtype),
             kv_offset=kv.word_offset,
             model_dtype=str(jnp.dtype(model_dtype)),
+            stash=layout.fields("stash"),
         )
         for name, shape, dtype in (
             ("recurrent", spec.state_shape, spec.state_dtype),
@@ -159,6 +174,27 @@ class ArenaSpec:
     def token_words(self) -> int:
         """Words of one token's K (or V) of one attention layer."""
         return _words((self.kv_heads, self.head_dim), self.kv_dtype)
+
+    @property
+    def spec_nodes(self) -> int:
+        """Draft-tree nodes one ``stash`` unit holds (0: no stash fields)."""
+        return self.stash[0].shape[1] if self.stash else 0
+
+    def snapshot_packing(self) -> tuple[int, int, int]:
+        """Words of one node's ``(pre-conv inputs [Lg, C], draft K [La, Hkv, D], draft V)``
+        as packed at the start of a ``snapshot`` unit's ``conv`` field (whole words each);
+        ``ValueError`` when they do not fit in it."""
+        c = self.conv_shape[1]
+        x = _ceil_words(self.gdn_layers * c, self.conv_dtype)
+        kv = _ceil_words(self.attn_layers * self.kv_heads * self.head_dim, self.kv_dtype)
+        room = self.gdn_layers * self.conv_words
+        if x + 2 * kv > room:
+            raise ValueError(
+                f"snapshot verify: one node's pre-conv inputs ({x} words) and draft K/V "
+                f"({2 * kv} words) do not fit in a snapshot unit's conv field ({room} words); "
+                "use the tree-WY verify (stash units)"
+            )
+        return x, kv, kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +330,29 @@ def select_kernels(
 
 def _words(shape, dtype) -> int:
     return math.prod(shape) * jnp.dtype(dtype).itemsize // WORD_BYTES
+
+
+def _ceil_words(count: int, dtype) -> int:
+    """Words ``count`` elements of ``dtype`` take, the last one zero-padded."""
+    return -(-count * jnp.dtype(dtype).itemsize // WORD_BYTES)
+
+
+def _pack(x: jax.Array, rows: int, dtype) -> jax.Array:
+    """``x`` (leading axis ``rows``) cast to ``dtype`` as ``uint32 [rows, words]``, bit for bit,
+    zero-padded to whole words."""
+    flat = x.astype(dtype).reshape(rows, -1)
+    ratio = WORD_BYTES // flat.dtype.itemsize
+    pad = -flat.shape[1] % ratio
+    if pad:
+        flat = jnp.pad(flat, ((0, 0), (0, pad)))
+    return _to_words(flat, rows)
+
+
+def _unpack(raw: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """``uint32 [..., words]`` (:func:`_pack`'s output) as ``[..., *shape]`` of ``dtype``."""
+    out = lax.bitcast_convert_type(raw, jnp.dtype(dtype))
+    out = out.reshape(*raw.shape[:-1], -1)[..., : math.prod(shape)]
+    return out.reshape(*raw.shape[:-1], *shape)
 
 
 def _to_words(x: jax.Array, rows: int) -> jax.Array:
@@ -621,6 +680,145 @@ class ArenaCache:
 
     def with_lengths(self, lengths: jax.Array) -> ArenaCache:
         return dataclasses.replace(self, lengths=lengths)
+
+    # ------------------------------------------------------------------ speculative scratch
+
+    def _stash_fields(self) -> dict[str, Field]:
+        if not self.spec.stash:
+            raise ValueError("arena cache: the spec has no stash fields (ArenaSpec.from_layout)")
+        return {f.name: f for f in self.spec.stash}
+
+    def write_tree_state(self, tree: TreeState, scratch: jax.Array) -> ArenaCache:
+        """``tree`` (what :func:`gdn_jax.models.steps.verify_tree` returned) written into each
+        row's speculative-scratch units, in place when the buffer is donated.
+
+        ``scratch``: ``int32 [B]`` ``stash`` handles (tree WY: ``tree.gdn`` holds
+        :class:`TreeCache` s) or ``int32 [B, N]`` ``snapshot`` handles (one per node; the
+        snapshot method: ``tree.gdn`` holds per-node states); ``-1`` for padding rows, whose
+        writes are dropped. Stash: one windowed scatter per field (``u``, ``k``, ``g``, ``x``,
+        ``dk``, ``dv``: all layers and nodes of a row at once; a tree of fewer than
+        ``spec_nodes`` nodes fills the first nodes). Snapshot: per node, its states of every GDN
+        layer into ``recurrent``, and its pre-conv inputs then draft K and V packed at the start
+        of ``conv`` (:meth:`ArenaSpec.snapshot_packing`)."""
+        sp = self.spec
+        lg, la = sp.gdn_layers, sp.attn_layers
+        seg, word = self._lookup(scratch, scratch >= 0)
+        b = scratch.shape[0]
+        draft_k = tree.draft_k if la else None
+        draft_v = tree.draft_v if la else None
+        buf = self.buffer
+        if scratch.ndim == 1:  # one stash unit per row
+            f = self._stash_fields()
+            n = tree.conv_in.shape[2] if lg else draft_k.shape[2]
+            if n > sp.spec_nodes:
+                raise ValueError(
+                    f"arena scratch: a tree of {n} nodes does not fit a stash unit of "
+                    f"{sp.spec_nodes} nodes (layout spec_nodes)"
+                )
+
+            def rows(x, node_axis):  # [B, ...] with the node axis padded to spec_nodes
+                pad = [(0, 0)] * x.ndim
+                pad[node_axis] = (0, sp.spec_nodes - n)
+                return jnp.pad(x, pad) if n < sp.spec_nodes else x
+
+            parts = []
+            if lg:
+                parts += [
+                    ("u", rows(jnp.stack([tc.u for tc in tree.gdn], 1), 2)),
+                    ("k", rows(jnp.stack([tc.k for tc in tree.gdn], 1), 2)),
+                    ("g", rows(jnp.stack([tc.g_path for tc in tree.gdn], 1), 2)),
+                    ("x", rows(jnp.swapaxes(tree.conv_in, 0, 1), 2)),
+                ]
+            if la:
+                parts += [
+                    ("dk", rows(jnp.swapaxes(draft_k, 0, 1), 2)),
+                    ("dv", rows(jnp.swapaxes(draft_v, 0, 1), 2)),
+                ]
+            for name, x in parts:
+                fld = f[name]
+                buf = scatter_windows(buf, seg, word + fld.word_offset, _pack(x, b, fld.dtype))
+            return dataclasses.replace(self, buffer=buf)
+        # snapshot: one unit per node
+        n = scratch.shape[1]
+        m = b * n
+        seg, word = seg.reshape(m), word.reshape(m)
+        if lg:
+            states = jnp.stack(tree.gdn, 2)  # [B, N, Lg, Hv, K, V]
+            buf = scatter_windows(
+                buf, seg, word + sp.state_offset, _pack(states, m, sp.state_dtype)
+            )
+        sp.snapshot_packing()  # raises when a node's conv inputs and draft K/V do not fit
+        packed = []
+        if lg:  # [Lg, B, N, C] -> [B*N, Lg*C]
+            packed.append(_pack(jnp.moveaxis(tree.conv_in, 0, 2), m, sp.conv_dtype))
+        if la:
+            for d in (draft_k, draft_v):  # [La, B, N, Hkv, D] -> [B*N, La*Hkv*D]
+                packed.append(_pack(jnp.moveaxis(d, 0, 2), m, sp.kv_dtype))
+        buf = scatter_windows(buf, seg, word + sp.conv_offset, jnp.concatenate(packed, axis=1))
+        return dataclasses.replace(self, buffer=buf)
+
+    def read_tree_state(
+        self, scratch: jax.Array, path: jax.Array, path_len: jax.Array, *, qk_l2norm: bool
+    ) -> TreeState:
+        """The :class:`TreeState` that :meth:`write_tree_state` stored in ``scratch`` (same
+        handles), as :func:`gdn_jax.models.steps.commit` reads it; bit for bit in the storage
+        dtypes (the model's own in the engine: ``layout_for(..., kv_dtype=dtype)``, conv
+        ``dtype``), ``u``, ``g`` and the snapshot states f32.
+
+        Stash: every field of each row's unit (one windowed gather per field), the tree of
+        ``spec_nodes`` nodes (a smaller tree's padding nodes are never on a path). The
+        :class:`TreeCache` s' ``parents`` are not stored (the commit does not read them on
+        device): all ``-1``; ``qk_l2norm`` is static. Snapshot: only the accepted leaf's unit's
+        ``recurrent`` (``path[b, path_len[b]-1]``; :func:`gdn_jax.snapshot_tree_commit` takes
+        that leaf from a one-node ``[B, 1, Hv, K, V]`` per layer, as it clips the node id), and
+        every node's packed pre-conv inputs and draft K/V."""
+        sp = self.spec
+        lg, la = sp.gdn_layers, sp.attn_layers
+        b = scratch.shape[0]
+        md = sp.model_dtype
+        empty = jnp.zeros((0,), jnp.float32)
+        if scratch.ndim == 1:
+            f = self._stash_fields()
+            seg, word = self._lookup(scratch, scratch >= 0)
+
+            def field(name, dtype):
+                fld = f[name]
+                raw = gather_windows(self.buffer, seg, word + fld.word_offset, fld.words)
+                return _unpack(raw, fld.shape, fld.dtype).astype(dtype)  # [B, L, N, ...]
+
+            gdn, conv_in, dk, dv = (), empty, empty, empty
+            if lg:
+                u, k, g = field("u", jnp.float32), field("k", md), field("g", jnp.float32)
+                parents = jnp.full((b, sp.spec_nodes), -1, jnp.int32)
+                gdn = tuple(
+                    TreeCache(u[:, i], k[:, i], g[:, i], parents, qk_l2norm) for i in range(lg)
+                )
+                conv_in = jnp.swapaxes(field("x", md), 0, 1)
+            if la:
+                dk = jnp.swapaxes(field("dk", md), 0, 1)
+                dv = jnp.swapaxes(field("dv", md), 0, 1)
+            return TreeState(gdn, conv_in, dk, dv)
+        n = scratch.shape[1]
+        gdn, conv_in, dk, dv = (), empty, empty, empty
+        if lg:
+            last = jnp.take_along_axis(path, jnp.maximum(path_len - 1, 0)[:, None], axis=1)
+            leaf = jnp.take_along_axis(scratch, jnp.clip(last, 0, n - 1), axis=1)[:, 0]
+            seg, word = self._lookup(leaf, leaf >= 0)
+            raw = gather_windows(self.buffer, seg, word + sp.state_offset, lg * sp.state_words)
+            states = _unpack(raw, (lg, *sp.state_shape), sp.state_dtype).astype(jnp.float32)
+            gdn = tuple(states[:, i, None] for i in range(lg))  # [B, 1, Hv, K, V]
+        xw, kw, vw = sp.snapshot_packing()  # (0 words for a kind of layer the model lacks)
+        seg, word = self._lookup(scratch, scratch >= 0)  # [B, N]
+        raw = gather_windows(self.buffer, seg, word + sp.conv_offset, xw + kw + vw)
+        if lg:  # [B, N, Lg, C] -> [Lg, B, N, C]
+            x = _unpack(raw[..., :xw], (lg, sp.conv_shape[1]), sp.conv_dtype)
+            conv_in = jnp.moveaxis(x.astype(md), 2, 0)
+        if la:  # [B, N, La, Hkv, D] -> [La, B, N, Hkv, D]
+            shape = (la, sp.kv_heads, sp.head_dim)
+            dk = jnp.moveaxis(_unpack(raw[..., xw : xw + kw], shape, sp.kv_dtype), 2, 0)
+            dv = jnp.moveaxis(_unpack(raw[..., xw + kw :], shape, sp.kv_dtype), 2, 0)
+            dk, dv = dk.astype(md), dv.astype(md)
+        return TreeState(gdn, conv_in, dk, dv)
 
 
 jax.tree_util.register_dataclass(

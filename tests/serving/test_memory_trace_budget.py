@@ -1,6 +1,7 @@
 """The memory study's scheduler model with a per-step prefill token budget
 (``benchmarks.memory_trace --max-prefill-tokens``): every request still completes, and a budget
-below every prompt (one admission per step) stretches a batch arrival's schedule."""
+below every prompt (one admission per step) changes a batch arrival's schedule, and stretches
+it where memory did not already limit admission."""
 
 from __future__ import annotations
 
@@ -21,5 +22,11 @@ def test_prefill_budget_admits_one_prompt_per_step():
     for policy in mt.POLICIES:
         a, b = free[policy], capped[policy]
         assert a["completed"] == b["completed"] == 12
-        assert b["makespan_s"] > a["makespan_s"]
         assert b["peak_concurrency"] <= a["peak_concurrency"]
+        # the cap binds: a different schedule for every policy. Longer for the policies that
+        # lend memory between KV and state, whose uncapped admissions memory does not limit;
+        # static_dual's fixed pools stall admission anyway (with the larger tree-WY stash,
+        # one prompt per step happens to pack its pools better and finishes 2% sooner).
+        assert b["makespan_s"] != a["makespan_s"]
+        if policy != "static_dual":
+            assert b["makespan_s"] > a["makespan_s"]

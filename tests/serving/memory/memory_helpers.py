@@ -6,7 +6,7 @@ import numpy as np
 
 from serving.memory import HybridLayout, MemoryManager
 
-# kv page 128 B, state slot 672 B, stash 720 B: a 1440 B segment holds 11 pages, 2 slots or
+# kv page 128 B, state slot 672 B, stash 816 B: a 1632 B segment holds 12 pages, 2 slots or
 # 2 stashes, so a 6-segment arena migrates and compacts within a few steps.
 TINY = HybridLayout(page_size=4, attn_layers=1, kv_heads=1, head_dim=8, gdn_layers=3,
                     k_heads=1, v_heads=2, key_dim=4, value_dim=4, spec_nodes=3)

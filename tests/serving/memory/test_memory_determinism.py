@@ -16,16 +16,16 @@ from tests.serving.memory.memory_helpers import tiny_manager
 
 ARGS = {"static_dual": {"ratio": 1.0}}
 PINNED = {
-    "avmp": "6fc67b4fef53190c3d113e5e6f0a4dd5008d1b22f7d26425db99795ed64c7d12",
-    "multi_ended": "8dac5e845e8667ed8be60468ba07d302654915354a0f248df4e3ec0884f94040",
-    "static_dual": "29b8d9e089a118fafc33a4c9723ab6ee80392891fd828630e694336b037ac325",
-    "unified_padded": "964370226c982b1479e68fd36da78f7d0505d6a1d45c74c743e2a5d144d57737",
+    "avmp": "2cedb721f3aee3f851a0f8f7430653062a8a9de2c07c0d64100c06b438babf55",
+    "multi_ended": "bca90de759759e4f493f59514952eec5c8f64288a5f77b584164aa7b53e0d22c",
+    "static_dual": "f1cf7fe8ca1f8e23dcc876c9809a5e0bbc302bc0925cde8804633714c32c57d0",
+    "unified_padded": "1af8ca936278894c095283d20c2a8870a382a928bd4902229675cfd9b23fc17e",
 }
 
 
 def scripted_run(policy: str) -> list:
     """Alloc/free traffic with allocations of up to 3 segments' worth of units (a segment
-    holds 11 KV pages, 2 state slots or 2 stashes), plus 8-slot snapshot bursts; every
+    holds 12 KV pages, 2 state slots or 2 stashes), plus 8-slot snapshot bursts; every
     result, the slot of every returned handle and the final layout are recorded."""
     mm = tiny_manager(policy, segments=10, **ARGS.get(policy, {}))
     rng = np.random.default_rng(5)

@@ -109,7 +109,7 @@ def test_live_device_buffers_stay_flat_over_1000_steps():
 
 def test_migration_only_when_allocation_fails():
     mm = tiny_manager("avmp", segments=6)
-    mm.alloc("a", "kv", 11)
+    mm.alloc("a", "kv", 12)
     mm.alloc("b", "state", 2)
     assert mm.stats()["migrations"] == 0 and mm.stats()["unowned_segments"] == 4
 
@@ -117,7 +117,7 @@ def test_migration_only_when_allocation_fails():
 def test_handles_are_stable_across_compaction():
     mm = tiny_manager("avmp", segments=3)
     rng = np.random.default_rng(5)
-    mm.alloc("a", "kv", 11)
+    mm.alloc("a", "kv", 12)
     hs = mm.alloc("b", "kv", 5)
     mm.free("a")
     hs += mm.alloc("c", "kv", 1)  # segment 0 again: the KV pool now has 6 pages in 2 segments
@@ -191,9 +191,9 @@ def test_constructor_errors_name_the_argument(kwargs, match):
 
 
 def test_default_segment_packs_every_pool():
-    # kv page 8 KiB, state slot 52.5 KiB, stash 27.4 KiB: a segment of one state slot would
-    # hold one stash and leave 48% of it unused; the default must pick a size that packs all.
-    lay = HybridLayout(page_size=32, attn_layers=1, kv_heads=1, head_dim=64, gdn_layers=3,
+    # kv page 8 KiB, state slot 52.5 KiB, stash 28.4 KiB: a segment of one state slot would
+    # hold one stash and leave 46% of it unused; the default must pick a size that packs all.
+    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=32, gdn_layers=3,
                        k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
     budget = 12 * lay.state_slot_bytes
     mm = MemoryManager(lay, budget, "avmp")
@@ -248,11 +248,11 @@ def test_fits_all_is_an_exact_dry_run(policy):
 
 def test_fits_all_does_not_count_a_free_segment_twice():
     mm = tiny_manager("avmp", segments=3)
-    mm.alloc("a", "kv", 11)
+    mm.alloc("a", "kv", 12)
     mm.alloc("b", "state", 2)  # one unowned segment left
-    assert mm.fits("kv", 11) and mm.fits("stash", 2)
-    assert not mm.fits_all({"kv": 11, "stash": 2})
-    assert mm.fits_all([("kv", 11), ("stash", 0)])
+    assert mm.fits("kv", 12) and mm.fits("stash", 2)
+    assert not mm.fits_all({"kv": 12, "stash": 2})
+    assert mm.fits_all([("kv", 12), ("stash", 0)])
     with pytest.raises(ValueError, match="non-negative"):
         mm.fits_all({"kv": -1})
     with pytest.raises(UnknownKindError, match="kind"):
@@ -261,7 +261,7 @@ def test_fits_all_does_not_count_a_free_segment_twice():
 
 def test_reassigning_a_free_segment_does_no_device_work():
     mm = tiny_manager("avmp", segments=3)
-    mm.alloc("a", "kv", 11)
+    mm.alloc("a", "kv", 12)
     mm.alloc("b", "state", 2)
     mm.alloc("c", "stash", 2)
     mm.free("a")  # segment 0: owned by KV, wholly free
@@ -276,9 +276,9 @@ def test_compaction_moves_the_fewest_bytes():
     """The stash pool needs a segment; KV can give one up by moving one 128 B page, the state
     pool (which has more reclaimable segments) by moving a 672 B slot: KV is compacted."""
     mm = tiny_manager("avmp", segments=8)
-    a = mm.alloc("a", "kv", 11)  # segment 0
+    a = mm.alloc("a", "kv", 12)  # segment 0
     mm.alloc("b", "kv", 1)  # segment 1
-    mm.free("a", handles=a[:1])  # KV: 10 + 1 live pages in 2 segments
+    mm.free("a", handles=a[:1])  # KV: 11 + 1 live pages in 2 segments
     for r in range(4):
         mm.alloc(f"s{r}", "state", 2)  # segments 2..5
     for r in range(4):
@@ -292,12 +292,12 @@ def test_compaction_moves_the_fewest_bytes():
 
 def test_pools_fill_their_oldest_segment_first():
     mm = tiny_manager("avmp", segments=4)
-    a = mm.alloc("a", "kv", 11)  # segment 0
+    a = mm.alloc("a", "kv", 12)  # segment 0
     mm.alloc("s", "state", 2)  # segment 1
-    b = mm.alloc("b", "kv", 11)  # segment 2
+    b = mm.alloc("b", "kv", 12)  # segment 2
     mm.alloc("t", "stash", 2)  # segment 3
     mm.free("s")
-    c = mm.alloc("c", "kv", 11)  # takes segment 1 from the state pool: KV's newest segment
+    c = mm.alloc("c", "kv", 12)  # takes segment 1 from the state pool: KV's newest segment
     assert {mm._h_slot[h] // mm._max_units for h in c} == {1}
     mm.free("a", handles=a[:1])
     mm.free("b", handles=b[:1])
@@ -323,11 +323,11 @@ def test_host_table_catches_up_after_many_changes(policy):
 
 def test_default_segments_stay_fine_grained_for_small_arenas():
     """A pool wastes at most one partly filled segment, so a small arena gets about 32 (not
-    16) segments when the units allow: 32 state slots of the tiny model give 30 segments of
-    one slot (56 KiB: 1 state, 2 stashes, 7 KV pages), every pool still packing >= 90%."""
-    lay = HybridLayout(page_size=32, attn_layers=1, kv_heads=1, head_dim=64, gdn_layers=3,
+    16) segments when the units allow: 32 state slots of the tiny model give 29 segments of
+    one slot (56.75 KiB: 1 state, 2 stashes, 7 KV pages), every pool still packing >= 90%."""
+    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=32, gdn_layers=3,
                        k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
     mm = MemoryManager(lay, 32 * lay.state_slot_bytes, "avmp")
-    assert mm.num_segments == 30
+    assert mm.num_segments == 29
     assert [p.units_per_segment for p in mm.pools] == [7, 1, 2]
     assert mm.arena.segment_words * 4 < 1.1 * lay.state_slot_bytes
