@@ -94,6 +94,7 @@ def test_greedy_tree_speculation_same_tokens(llms):
     runner = llms["pallas"].runner
     assert runner.kernels == "pallas"
     verified = []
+    compiled = runner._verify._cache_size()  # other modules' engines may share the program
     runner.verify = lambda *a, **k: verified.append(1) or type(runner).verify(runner, *a, **k)
     try:
         got = {k: [o.token_ids for o in llm.generate(ps, params)] for k, llm in llms.items()}
@@ -102,7 +103,8 @@ def test_greedy_tree_speculation_same_tokens(llms):
     assert got["pallas"] == got["xla"]
     assert all(len(t) == 12 for t in got["xla"])
     assert len(verified) >= 3  # the tokens came from tree speculation on the kernels
-    assert runner._verify._cache_size() == 1  # the same program as the test above: no recompile
+    # the engine's verify (scratch in the arena) compiles at most once for the whole run
+    assert runner._verify._cache_size() - compiled <= 1
 
 
 def _primitives(jaxpr, out):

@@ -150,7 +150,9 @@ def _check_units(mm, sp, tree, scratch, exact: bool):
         if exact:
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), what)
         else:
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=what)
+            # 1e-4: on the H200 one draft-K value of 112 differed by 1.9e-6 (7.7e-5 relative);
+            # a field swap or misplaced window differs by O(1)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=what)
 
     for b in range(2):
         if scratch.ndim == 1:  # the stash unit: every field
