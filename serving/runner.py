@@ -323,7 +323,8 @@ class ArenaRunner:
 
     :meth:`prefill`'s GDN layers read and write the states in place
     (:func:`pallas_kernels.arena_prefill.recurrent_prefill`, a sequential scan) only with
-    ``"pallas"``: not measured on a GPU yet, so ``"auto"`` keeps XLA windows there. Not wired
+    ``"pallas"``: on the H200 it is no faster than the windows + chunked prefill (0.93-1.43x,
+    ``benchmarks/arena_read.py --step prefill``), so ``"auto"`` keeps those. Not wired
     to the kernels on any setting: the snapshot verify method, the conv state (a small
     ``(W-1) x C`` window per layer), the K/V writes (new tokens', accepted nodes') and the
     speculative scratch's writes and reads (one window per stash field; the commit kernel gets

@@ -319,7 +319,9 @@ def select_kernels(
         # takes 0.35-0.62x the time of XLA's state windows (benchmarks/arena_read.py, B 1-64).
         decode=spec.gdn_layers > 0 and not gdn_bad,
         # The prefill kernel (a sequential scan over each chunk's tokens) only when asked for:
-        # not measured against the chunked prefill on the H200, so "auto" keeps XLA's.
+        # on the H200 it takes 0.93-1.43x the time of the state windows + the chunked Pallas
+        # prefill (benchmarks/arena_read.py --step prefill, B 1 and 16, T 16 and 64), so "auto"
+        # keeps the chunked rule.
         prefill=kernels == "pallas" and spec.gdn_layers > 0 and not gdn_bad,
         interpret=interpret,
         max_nodes=MAX_NODES if kernels == "pallas" else AUTO_MAX_NODES,
