@@ -27,6 +27,7 @@ from serving.memory.layout import WORD_BYTES
 from serving.memory.model_cache import ArenaCache, _pack
 from serving.runner import ArenaRunner
 from tests.serving.conftest import ENGINE, VOCAB, prompts, tiny_config
+from tests.serving.test_arena_kernels_engine import _primitives
 
 GEOM = dict(ENGINE, page_size=16, memory_budget=2 << 20)
 SPECS = {
@@ -301,22 +302,6 @@ def test_scratch_roundtrip_is_exact_in_bfloat16(verify):
     _roundtrip_is_exact(llm, verify, cache_rows, tokens, parents, scratch, path, path_len, other)
     for rid in rows:
         mm.free(rid)
-
-
-def _primitives(jaxpr, out):
-    from jax.extend.core import ClosedJaxpr, Jaxpr
-
-    for eqn in jaxpr.eqns:
-        out.append((eqn.primitive.name, eqn))
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                if isinstance(sub, ClosedJaxpr):
-                    _primitives(sub.jaxpr, out)
-                elif isinstance(sub, Jaxpr):
-                    _primitives(sub, out)
-    return out
 
 
 @pytest.mark.parametrize("verify", ["wy", "snapshot"])
