@@ -36,8 +36,8 @@ d)
   cat > /tmp/qwen35_35b_8l.json <<'JSON'
 {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 8, "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "attn_output_gate": true, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "mtp_num_hidden_layers": 1, "mamba_ssm_dtype": "float32", "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25}, "tie_word_embeddings": false}
 JSON
-  TAILN=10 step 330 "bench_35b_8l_${DTYPE:-bfloat16}" python3 -m serving bench --config /tmp/qwen35_35b_8l.json \
-    --dtype "${DTYPE:-bfloat16}" --num-prompts 16 --max-num-seqs 16 --max-tokens 32 --kernels auto \
+  TAILN=10 step "${LIMIT:-330}" "bench_35b_8l_${DTYPE:-bfloat16}" python3 -m serving bench --config /tmp/qwen35_35b_8l.json \
+    --dtype "${DTYPE:-bfloat16}" --num-prompts 16 --max-num-seqs 16 --max-tokens 32 --kernels "${KERNELS:-auto}" \
     --compile-cache "" --json "$OUT/bench_35b_8l_${DTYPE:-bfloat16}.json"
   ;;
 esac

@@ -52,7 +52,8 @@ DEFAULT_SEGMENT_BYTES = 2 << 20
 # Small budgets get smaller segments, so pools can still trade: a pool wastes at most one
 # partly filled segment, i.e. about 1/MIN_AUTO_SEGMENTS of the arena (never below one unit).
 MIN_AUTO_SEGMENTS = 32
-GOOD_SHARE = 0.9  # a default segment lets every pool use at least this share of the budget
+# A default segment may make a unit cost this much more than unified_padded's page does.
+SEGMENT_COST_SLACK = 0.01
 _INTS = (int, np.integer)  # a tuple: ``int | np.integer`` would build a union on every call
 
 
@@ -65,35 +66,46 @@ def _budget_from_fraction(fraction: float, device: jax.Device) -> int:
     return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
 
 
-def _default_segment_words(units: list[int], budget_words: int) -> int:
-    """Segment size (words) for pools of unit sizes ``units`` in an arena of ``budget_words``.
+def _default_segment_words(units: Mapping[str, int], budget_words: int) -> int:
+    """Segment size (words) for pools of unit sizes ``units`` (pool name -> words).
 
-    Aim: about ``min(2 MiB, budget / MIN_AUTO_SEGMENTS)`` per segment, never less than the
-    largest unit: ``lo``, the smallest multiple of the largest unit at or above the aim. A
-    segment that is a multiple of the largest unit only can leave most of a smaller unit's
-    segment unused (e.g. one 28 KB stash in a 54 KB segment), so every multiple of any unit
-    size from ``lo`` up to ``2 lo`` is a candidate. The share of the budget the worst pool
-    could use (segment tails and the budget's remainder lost) decides: the smallest candidate
-    reaching GOOD_SHARE wins (small segments keep pools trading finely), else the one with the
-    largest share (ties: the smaller). The choice depends only on the sizes: deterministic.
+    The yardstick is the padded page: the smallest whole number of KV pages that holds the
+    largest unit (the page ``unified_padded`` uses). The aim is ``m`` padded pages, ``m`` the
+    largest count at or below about ``min(2 MiB, budget / MIN_AUTO_SEGMENTS)`` (at least 1), so
+    that small arenas keep many segments and pools trade finely (a pool wastes at most one
+    partly filled segment). Candidates are that size and every multiple of a unit size between
+    ``m`` largest units and it; a candidate qualifies when no kind of unit costs more arena
+    bytes in it (segment / units per segment) than in ``unified_padded`` (a padded page per
+    state, snapshot or stash, a KV page per KV page), up to ``SEGMENT_COST_SLACK``. The
+    qualifying candidate that gives the most whole segments of the budget wins (ties: the
+    larger). So no kind ever packs worse than in the padded page, smaller units (a stash beside
+    a state slot) pack several per page, and a budget that is a whole number of state slots is
+    not cut to one segment fewer (Qwen3.5: a segment of exactly one state slot, whose 98 KV
+    pages cost 0.25% more each than in the padded page of 99).
+
+    Not a criterion any more, after the study (benchmarks/README.md, session 6): the share of a
+    segment the worst pool can fill. That picked 60 KiB segments for the tiny model (2 stashes
+    exactly, but a state slot 87.5% full against the padded page's 93.75%), and AVMP lost 18
+    tiny cells to ``unified_padded``, mostly snapshot cells, whose memory is state slots.
+    A budget below one padded page gets one segment of the largest unit. Deterministic.
     """
-    biggest = max(units)
-    target = min(DEFAULT_SEGMENT_BYTES, budget_words * WORD_BYTES // MIN_AUTO_SEGMENTS)
-    lo = biggest * max(1, -(-target // (biggest * WORD_BYTES)))
-    hi = max(lo, min(2 * lo, budget_words))
-    candidates = {lo}
-    for u in set(units):
-        candidates.update(range(-(-lo // u) * u, hi + 1, u))
+    biggest = max(units.values())
+    page = units.get("kv", min(units.values()))
+    padded = page * -(-biggest // page)
+    if padded > budget_words:
+        return biggest
+    aim = min(DEFAULT_SEGMENT_BYTES, budget_words * WORD_BYTES // MIN_AUTO_SEGMENTS) // WORD_BYTES
+    m = max(1, aim // padded)
+    top = m * padded
+    limit = {u: (page if u == page else padded) * (1 + SEGMENT_COST_SLACK) for u in units.values()}
+    candidates = {top}
+    for u in set(units.values()):
+        candidates.update(range(-(-m * biggest // u) * u, top, u))
 
-    def worst_share(seg: int) -> float:
-        n = budget_words // seg
-        return min(n * (seg // u) * u for u in units) / budget_words
+    def qualifies(seg: int) -> bool:
+        return all(seg // u and seg / (seg // u) <= limit[u] for u in units.values())
 
-    ordered = sorted(candidates)
-    for seg in ordered:
-        if worst_share(seg) >= GOOD_SHARE:
-            return seg
-    return max(ordered, key=worst_share)
+    return max((s for s in candidates if qualifies(s)), key=lambda s: (budget_words // s, s))
 
 
 class _ShadowPool:
@@ -191,9 +203,9 @@ class MemoryManager:
         The arena is the largest whole number of segments that fits; the rest is unused
         (``stats()["unused_budget_bytes"]``).
       policy: ``"avmp"`` | ``"unified_padded"`` | ``"static_dual"`` | ``"multi_ended"``.
-      segment_bytes: segment size. Default: about min(2 MiB, budget / 32), at least the
-        largest unit, chosen among multiples of the unit sizes so that no pool loses much of
-        a segment to its tail (:func:`_default_segment_words`).
+      segment_bytes: segment size. Default: whole padded pages (KV pages enough to hold the
+        largest unit), about min(2 MiB, budget / 32) of them, at least one
+        (:func:`_default_segment_words`).
       device: where the arena lives (default: first device).
       **policy_args: e.g. ``ratio=0.9`` for ``static_dual``.
     """
@@ -224,8 +236,7 @@ class MemoryManager:
                              if self._pool_of_kind[k] == n) for n in names}
         biggest = max(unit_words.values())
         if segment_bytes is None:
-            seg_words = _default_segment_words(list(unit_words.values()),
-                                               self.budget_bytes // WORD_BYTES)
+            seg_words = _default_segment_words(unit_words, self.budget_bytes // WORD_BYTES)
         else:
             if segment_bytes % WORD_BYTES or segment_bytes < biggest * WORD_BYTES:
                 raise ValueError(

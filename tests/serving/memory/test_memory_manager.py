@@ -177,7 +177,6 @@ def test_view_reads_through_the_device_table():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"budget_bytes": 100}, "budget_bytes"),
-    ({"budget_bytes": 0.5}, "memory_stats"),
     ({"budget_bytes": -1}, "budget_bytes"),
     ({"policy": "lru"}, "policy"),
     ({"policy": "avmp", "ratio": 2}, "avmp"),
@@ -190,18 +189,43 @@ def test_constructor_errors_name_the_argument(kwargs, match):
         MemoryManager(TINY, **kwargs)
 
 
-def test_default_segment_packs_every_pool():
-    # kv page 8 KiB, state slot 52.5 KiB, stash 28.4 KiB: a segment of one state slot would
-    # hold one stash and leave 46% of it unused; the default must pick a size that packs all.
-    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=32, gdn_layers=3,
+class _NoStatsDevice:
+    """A device that reports no memory statistics (the CPU backend's answer)."""
+
+    def memory_stats(self):
+        return None
+
+
+def test_budget_fraction_needs_memory_stats():
+    # A budget given as a fraction of free device memory needs the device's memory_stats();
+    # a device without them (XLA's CPU backend) gets an error that says so, on any host.
+    with pytest.raises(ValueError, match="memory_stats"):
+        MemoryManager(TINY, 0.5, device=_NoStatsDevice())
+
+
+@pytest.mark.parametrize("head_dim, slots", [(32, 12), (32, 32), (32, 4096), (256, 12), (256, 77)])
+def test_default_segment_never_packs_worse_than_the_padded_page(head_dim, slots):
+    # head_dim 32: kv page 8 KiB, state slot 52.5 KiB, stash 28.4 KiB; the padded page
+    # (unified_padded's unit) is 7 KV pages. No kind of unit may cost more arena bytes in a
+    # default segment than in unified_padded (a padded page per state or stash, a KV page per KV
+    # page; 1% slack), and the budget never yields fewer segments than unified_padded's pages.
+    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=head_dim, gdn_layers=3,
                        k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
-    budget = 12 * lay.state_slot_bytes
+    budget = slots * lay.state_slot_bytes
+    unified = MemoryManager(lay, budget, "unified_padded")
+    page_words = lay.kv_page_bytes // 4
+    padded = page_words * -(-max(lay.unit_words(k) for k in ("state", "stash")) // page_words)
     mm = MemoryManager(lay, budget, "avmp")
     seg = mm.arena.segment_words
     for pool in mm.pools:
-        assert pool.units_per_segment * pool.unit_words >= 0.9 * seg, pool.name
+        cap = page_words if pool.name == "kv" else padded
+        assert seg / pool.units_per_segment <= 1.01 * cap, pool.name
+    assert mm.num_segments * seg >= unified.num_segments * padded
     assert mm.arena.nbytes <= budget
+    assert seg * 4 <= max(padded * 4, min(2 << 20, budget // 32)) or slots < 32
     assert MemoryManager(lay, budget, "avmp").arena.segment_words == seg  # deterministic
+    if head_dim == 32 and slots <= 32:
+        assert seg == padded == 7 * page_words  # 1 state, 1 stash, 7 KV pages
 
 
 # ------------------------------------------------------------------------ issue 5 follow-up
@@ -323,11 +347,11 @@ def test_host_table_catches_up_after_many_changes(policy):
 
 def test_default_segments_stay_fine_grained_for_small_arenas():
     """A pool wastes at most one partly filled segment, so a small arena gets about 32 (not
-    16) segments when the units allow: 32 state slots of the tiny model give 29 segments of
-    one slot (56.75 KiB: 1 state, 2 stashes, 7 KV pages), every pool still packing >= 90%."""
+    16) segments when the units allow: 32 state slots of the tiny model give 30 segments of
+    one padded page (56 KiB: 1 state, 1 stash, 7 KV pages)."""
     lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=32, gdn_layers=3,
                        k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
     mm = MemoryManager(lay, 32 * lay.state_slot_bytes, "avmp")
-    assert mm.num_segments == 29
-    assert [p.units_per_segment for p in mm.pools] == [7, 1, 2]
+    assert mm.num_segments == 30
+    assert [p.units_per_segment for p in mm.pools] == [7, 1, 1]
     assert mm.arena.segment_words * 4 < 1.1 * lay.state_slot_bytes
