@@ -54,6 +54,7 @@ measured), ``kernel / arena`` and the kernel's final states and outputs against 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -67,6 +68,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -186,6 +188,10 @@ def build(spec: ArenaSpec, layers: int):
         for i in range(layers):
             q, k, v, g, beta, x = layer_inputs(inputs, i)
             conv = cache.gdn_conv_state(i)
+            # the conv read before the kernel writes the arena in place (else XLA may keep the
+            # old value in a copy of the whole arena; see build_prefill)
+            conv, buf = lax.optimization_barrier((conv, cache.buffer))
+            cache = dataclasses.replace(cache, buffer=buf)
             o, cache = cache.gdn_step_rule(i)(
                 q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], use_qk_l2norm=True
             )
@@ -322,6 +328,9 @@ def build_prefill(spec: ArenaSpec, layers: int, impl: str):
             q, k, v, g, beta, tail = (a[i] for a in inputs)
             conv, ssm = cache.gdn_state(i)
             o, s = rule(q, k, v, g, beta, ssm)
+            # The conv read feeds only `acc` (the new conv is `tail`): tie it to the state write
+            # so XLA reads it before the in-place scatters, not from a copy of the whole arena.
+            conv, s = lax.optimization_barrier((conv, s))
             cache, acc = cache.with_gdn_state(i, tail, s), acc + conv_acc(conv)
             outs.append(o)
         return cache.buffer, (tuple(outs), acc)
@@ -336,6 +345,9 @@ def build_prefill(spec: ArenaSpec, layers: int, impl: str):
         for i in range(layers):
             q, k, v, g, beta, tail = (a[i] for a in inputs)
             conv = cache.gdn_conv_state(i)
+            # as in `arena`: the conv read before the kernel writes the arena in place
+            conv, buf = lax.optimization_barrier((conv, cache.buffer))
+            cache = dataclasses.replace(cache, buffer=buf)
             o, cache = cache.gdn_prefill_rule(i, num_tokens)(q, k, v, g, beta, use_qk_l2norm=True)
             cache, acc = cache.with_gdn_conv_state(i, tail), acc + conv_acc(conv)
             outs.append(o)

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Ready for the next H200 session (a and b ran in session 5). Four calls, `carry: [".whl"]`:
+# H200 steps, `carry: [".whl"]`, one per call:
 #   bash benchmarks/h200_next.sh a   # engine kernel tests, then the serving bench on XLA
 #   bash benchmarks/h200_next.sh b   # the serving bench on the arena kernels, B = 1 verify spread
 #   bash benchmarks/h200_next.sh c   # the arena prefill kernel against XLA windows + chunked rule
 #   bash benchmarks/h200_next.sh d   # the serving bench at real dims (Qwen3.5-35B cut to 8 layers)
+#   bash benchmarks/h200_next.sh e   # real dims, f32: where tree WY's tokens leave plain's
+# Next session (after session 6): c first. Session 6 found that the benchmark's conv read forced
+# a whole-arena copy per layer (fixed in arena_read.py, not yet re-run on the GPU). Then e.
+# d takes DTYPE (bfloat16), KERNELS (auto) and LIMIT (330 s); f32 needs LIMIT=500.
 # Session 4 found that the bench compiles for ~35-70 s per engine on the GPU (four engines, no
 # persistent cache on a fresh machine), so each bench gets most of a call.
 set -u
@@ -39,5 +43,12 @@ JSON
   TAILN=10 step "${LIMIT:-330}" "bench_35b_8l_${DTYPE:-bfloat16}" python3 -m serving bench --config /tmp/qwen35_35b_8l.json \
     --dtype "${DTYPE:-bfloat16}" --num-prompts 16 --max-num-seqs 16 --max-tokens 32 --kernels "${KERNELS:-auto}" \
     --compile-cache "" --json "$OUT/bench_35b_8l_${DTYPE:-bfloat16}.json"
+  ;;
+e)
+  # Plain greedy against tree WY at real dims in f32 with every dot at HIGHEST; for each row that
+  # differs, the dense forward's top-2 logit gap at the first differing token (near tie or bug?)
+  grep '^{"model_type"' "$0" > /tmp/qwen35_35b_8l.json
+  TAILN=30 JAX_DEFAULT_MATMUL_PRECISION=highest step "${LIMIT:-540}" diag_tree_divergence \
+    python3 -m benchmarks.diag_tree_divergence /tmp/qwen35_35b_8l.json --prompts 16 --tokens 32 --kernels xla
   ;;
 esac
