@@ -13,6 +13,7 @@ from serving.memory import (
     MemoryManager,
     OutOfMemoryError,
     UnknownKindError,
+    layout_for,
     view,
 )
 from tests.serving.memory.memory_helpers import TINY, field_words, random_field, tiny_manager
@@ -203,18 +204,14 @@ def test_budget_fraction_needs_memory_stats():
         MemoryManager(TINY, 0.5, device=_NoStatsDevice())
 
 
-@pytest.mark.parametrize("head_dim, slots", [(32, 12), (32, 32), (32, 4096), (256, 12), (256, 77)])
-def test_default_segment_never_packs_worse_than_the_padded_page(head_dim, slots):
-    # head_dim 32: kv page 8 KiB, state slot 52.5 KiB, stash 28.4 KiB; the padded page
-    # (unified_padded's unit) is 7 KV pages. No kind of unit may cost more arena bytes in a
-    # default segment than in unified_padded (a padded page per state or stash, a KV page per KV
-    # page; 1% slack), and the budget never yields fewer segments than unified_padded's pages.
-    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=head_dim, gdn_layers=3,
-                       k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
-    budget = slots * lay.state_slot_bytes
+def _check_default_segment(lay, budget):
+    """No kind of unit costs more arena bytes in a default segment than in unified_padded (a
+    padded page per state or stash, a KV page per KV page; 1% slack), and the budget never
+    yields fewer segments than unified_padded's pages."""
     unified = MemoryManager(lay, budget, "unified_padded")
     page_words = lay.kv_page_bytes // 4
     padded = page_words * -(-max(lay.unit_words(k) for k in ("state", "stash")) // page_words)
+    assert unified.arena.segment_words % padded == 0
     mm = MemoryManager(lay, budget, "avmp")
     seg = mm.arena.segment_words
     for pool in mm.pools:
@@ -222,10 +219,37 @@ def test_default_segment_never_packs_worse_than_the_padded_page(head_dim, slots)
         assert seg / pool.units_per_segment <= 1.01 * cap, pool.name
     assert mm.num_segments * seg >= unified.num_segments * padded
     assert mm.arena.nbytes <= budget
-    assert seg * 4 <= max(padded * 4, min(2 << 20, budget // 32)) or slots < 32
     assert MemoryManager(lay, budget, "avmp").arena.segment_words == seg  # deterministic
+    return mm, padded
+
+
+@pytest.mark.parametrize("head_dim, slots", [(32, 12), (32, 32), (32, 4096), (256, 12), (256, 77)])
+def test_default_segment_never_packs_worse_than_the_padded_page(head_dim, slots):
+    # head_dim 32: kv page 8 KiB, state slot 52.5 KiB, stash 28.4 KiB; the padded page
+    # (unified_padded's unit) is 7 KV pages.
+    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=head_dim, gdn_layers=3,
+                       k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
+    budget = slots * lay.state_slot_bytes
+    mm, padded = _check_default_segment(lay, budget)
+    seg = mm.arena.segment_words
+    assert seg * 4 <= max(padded * 4, min(2 << 20, budget // 32)) or slots < 32
     if head_dim == 32 and slots <= 32:
-        assert seg == padded == 7 * page_words  # 1 state, 1 stash, 7 KV pages
+        assert seg == padded == 7 * mm.pools[0].unit_words  # 1 state, 1 stash, 7 KV pages
+
+
+@pytest.mark.parametrize("config", ["qwen3.5-35b", "qwen3.5-397b"])
+def test_default_segment_of_the_study_configs(config):
+    # The memory study's Qwen layouts (first 4 layers, 32-token pages, 8-node stash) at its
+    # tight budget of 12 state slots: a segment of exactly one state slot (98 / 195 KV pages,
+    # 0.25% / 0.19% dearer each than in the padded page), so all 12 slots fit; the padded page
+    # itself would leave 11 segments.
+    from benchmarks.memory_trace import CONFIGS
+
+    lay = layout_for(CONFIGS[config]["config"], 32, num_layers=4, spec_nodes=8)
+    mm, padded = _check_default_segment(lay, 12 * lay.state_slot_bytes)
+    assert mm.arena.segment_words == lay.unit_words("state")
+    assert mm.num_segments == 12
+    assert (12 * lay.state_slot_bytes) // (padded * 4) == 11
 
 
 # ------------------------------------------------------------------------ issue 5 follow-up
