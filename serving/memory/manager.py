@@ -203,9 +203,10 @@ class MemoryManager:
         The arena is the largest whole number of segments that fits; the rest is unused
         (``stats()["unused_budget_bytes"]``).
       policy: ``"avmp"`` | ``"unified_padded"`` | ``"static_dual"`` | ``"multi_ended"``.
-      segment_bytes: segment size. Default: whole padded pages (KV pages enough to hold the
-        largest unit), about min(2 MiB, budget / 32) of them, at least one
-        (:func:`_default_segment_words`).
+      segment_bytes: segment size. Default: about min(2 MiB, budget / 32), at least one
+        padded page (the KV pages that hold the largest unit: ``unified_padded``'s page), such
+        that no kind of unit costs more arena bytes than in that page (1% slack), and giving
+        the most whole segments of the budget (:func:`_default_segment_words`).
       device: where the arena lives (default: first device).
       **policy_args: e.g. ``ratio=0.9`` for ``static_dual``.
     """
