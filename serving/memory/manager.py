@@ -97,13 +97,14 @@ def _default_segment_words(units: Mapping[str, int], budget_words: int) -> int:
     aim = min(DEFAULT_SEGMENT_BYTES, budget_words * WORD_BYTES // MIN_AUTO_SEGMENTS) // WORD_BYTES
     m = max(1, aim // padded)
     top = m * padded
-    limit = {u: (page if u == page else padded) * (1 + SEGMENT_COST_SLACK) for u in units.values()}
+    # the most arena bytes one unit of each pool may cost (every candidate >= biggest >= u)
+    cap = {n: (page if n == "kv" else padded) * (1 + SEGMENT_COST_SLACK) for n in units}
     candidates = {top}
     for u in set(units.values()):
         candidates.update(range(-(-m * biggest // u) * u, top, u))
 
     def qualifies(seg: int) -> bool:
-        return all(seg // u and seg / (seg // u) <= limit[u] for u in units.values())
+        return all(seg / (seg // u) <= cap[n] for n, u in units.items())
 
     return max((s for s in candidates if qualifies(s)), key=lambda s: (budget_words // s, s))
 
