@@ -5,6 +5,8 @@
 #   bash benchmarks/h200_next.sh c   # the arena prefill kernel against XLA windows + chunked rule
 #   bash benchmarks/h200_next.sh d   # the serving bench at real dims (Qwen3.5-35B cut to 8 layers)
 #   bash benchmarks/h200_next.sh e   # real dims, f32: where tree WY's tokens leave plain's
+#   bash benchmarks/h200_next.sh f   # real dims, f32: e's differing row (3) by dense greedy,
+#                                    # with router margins and float-noise sensitivity
 # Next session (after session 6): c first. Session 6 found that the benchmark's conv read forced
 # a whole-arena copy per layer (fixed in arena_read.py, not yet re-run on the GPU). Then e.
 # d takes DTYPE (bfloat16), KERNELS (auto) and LIMIT (330 s); f32 needs LIMIT=500.
@@ -50,5 +52,10 @@ e)
   grep '^{"model_type"' "$0" > /tmp/qwen35_35b_8l.json
   TAILN=30 JAX_DEFAULT_MATMUL_PRECISION=highest step "${LIMIT:-540}" diag_tree_divergence \
     python3 -m benchmarks.diag_tree_divergence /tmp/qwen35_35b_8l.json --prompts 16 --tokens 32 --kernels xla
+  ;;
+f)
+  grep '^{"model_type"' "$0" > /tmp/qwen35_35b_8l.json
+  TAILN=30 JAX_DEFAULT_MATMUL_PRECISION=highest step "${LIMIT:-400}" diag_dense_row \
+    python3 -m benchmarks.diag_tree_divergence /tmp/qwen35_35b_8l.json --prompts 16 --tokens 21 --dense-row 3
   ;;
 esac

@@ -323,8 +323,9 @@ class ArenaRunner:
 
     :meth:`prefill`'s GDN layers read and write the states in place
     (:func:`pallas_kernels.arena_prefill.recurrent_prefill`, a sequential scan) only with
-    ``"pallas"``: on the H200 it is no faster than the windows + chunked prefill (0.93-1.43x,
-    ``benchmarks/arena_read.py --step prefill``), so ``"auto"`` keeps those. Not wired
+    ``"pallas"``: on the H200 it takes 1.38-1.97x the time of the windows + chunked prefill at the
+    default 64-token chunk (0.82-0.87x at 16; ``benchmarks/arena_read.py --step prefill``), so
+    ``"auto"`` keeps those. Not wired
     to the kernels on any setting: the snapshot verify method, the conv state (a small
     ``(W-1) x C`` window per layer), the K/V writes (new tokens', accepted nodes') and the
     speculative scratch's writes and reads (one window per stash field; the commit kernel gets

@@ -319,9 +319,9 @@ def select_kernels(
         # takes 0.35-0.62x the time of XLA's state windows (benchmarks/arena_read.py, B 1-64).
         decode=spec.gdn_layers > 0 and not gdn_bad,
         # The prefill kernel (a sequential scan over each chunk's tokens) only when asked for:
-        # on the H200 it takes 0.93-1.43x the time of the state windows + the chunked Pallas
-        # prefill (benchmarks/arena_read.py --step prefill, B 1 and 16, T 16 and 64), so "auto"
-        # keeps the chunked rule.
+        # on the H200 it takes 1.38-1.97x the time of the state windows + the chunked Pallas
+        # prefill at the default 64-token chunk, 0.82-0.87x at 16 (benchmarks/arena_read.py
+        # --step prefill, B 1-64, session 7), so "auto" keeps the chunked rule.
         prefill=kernels == "pallas" and spec.gdn_layers > 0 and not gdn_bad,
         interpret=interpret,
         max_nodes=MAX_NODES if kernels == "pallas" else AUTO_MAX_NODES,
