@@ -48,8 +48,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompts", type=int, default=16, help="requests = batch rows (16)")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per request (32)")
     ap.add_argument("--kernels", default="xla", choices=("xla", "auto", "pallas"))
-    ap.add_argument("--dense-row", type=int, default=None, metavar="R",
-                    help="no engine: dense greedy decoding of prompt R with router margins")
+    ap.add_argument(
+        "--dense-row",
+        type=int,
+        default=None,
+        metavar="R",
+        help="no engine: dense greedy decoding of prompt R with router margins",
+    )
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.tokens < 1:
         ap.error("--prompts and --tokens must be positive")
@@ -60,21 +65,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompts = [[t % model.config.vocab_size for t in p] for p in stdlib_prompts(args.prompts, 96)]
     if args.dense_row is not None:
         return dense_greedy(model, prompts[args.dense_row], args.tokens)
-    engine = dict(max_num_seqs=args.prompts, batch_buckets=(args.prompts,),
-                  max_model_len=96 + args.tokens + 16, prefill_chunk=64, dtype="float32",
-                  kernels=args.kernels)
+    engine = dict(
+        max_num_seqs=args.prompts,
+        batch_buckets=(args.prompts,),
+        max_model_len=96 + args.tokens + 16,
+        prefill_chunk=64,
+        dtype="float32",
+        kernels=args.kernels,
+    )
     res = {}
-    for name, spec in (("plain", None),
-                       ("tree_wy", SpecConfig(method="ngram", tree=(4, 2, 2), verify="wy"))):
+    for name, spec in (
+        ("plain", None),
+        ("tree_wy", SpecConfig(method="ngram", tree=(4, 2, 2), verify="wy")),
+    ):
         outs = LLM(model, speculative=spec, **engine).generate(
-            prompts, SamplingParams(max_tokens=args.tokens))
-        res[name] = ([list(o.token_ids) for o in outs],
-                     [list(o.metrics.get("acceptance_lengths") or []) for o in outs])
+            prompts, SamplingParams(max_tokens=args.tokens)
+        )
+        res[name] = (
+            [list(o.token_ids) for o in outs],
+            [list(o.metrics.get("acceptance_lengths") or []) for o in outs],
+        )
         print(name, "done", round(time.time() - t0, 1), "s", flush=True)
     acc = [a for row in res["tree_wy"][1] for a in row]
     print("tree_wy acceptance: mean", np.mean(acc), "max", max(acc), "steps", len(acc), flush=True)
     plain, wy = res["plain"][0], res["tree_wy"][0]
-    diff = [i for i, (a, b) in enumerate(zip(plain, wy, strict=True)) if a != b or os.environ.get("FORCE_DIFF")]
+    diff = [
+        i
+        for i, (a, b) in enumerate(zip(plain, wy, strict=True))
+        if a != b or os.environ.get("FORCE_DIFF")
+    ]
     print("rows differing:", len(diff), "of", args.prompts, flush=True)
     rows = []
     if diff:
@@ -91,11 +110,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             top = np.argsort(lg)[::-1][:3]
             both = j < min(len(a), len(b))
             row = dict(
-                row=i, pos=j, plain_tok=a[j] if j < len(a) else None,
-                wy_tok=b[j] if j < len(b) else None, dense_top=[int(t) for t in top],
+                row=i,
+                pos=j,
+                plain_tok=a[j] if j < len(a) else None,
+                wy_tok=b[j] if j < len(b) else None,
+                dense_top=[int(t) for t in top],
                 dense_top_logits=[float(lg[t]) for t in top],
                 gap_plain_minus_wy=float(lg[a[j]] - lg[b[j]]) if both else None,
-                logit_std=float(np.std(lg)), wy_accepts_before=res["tree_wy"][1][i][:8])
+                logit_std=float(np.std(lg)),
+                wy_accepts_before=res["tree_wy"][1][i][:8],
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -136,8 +160,13 @@ def dense_greedy(model, prompt: list[int], tokens: int) -> list[dict]:
             lg = np.asarray(logits[n - 1], np.float64)
             top = np.argsort(lg)[::-1][:2]
             m = np.asarray(marg[:, :n], np.float64).min(axis=0)
-            row = dict(pos=n - len(prompt), token=int(top[0]), top2_gap=float(lg[top[0]] - lg[top[1]]),
-                       min_router_margin_last=float(m[-1]), min_router_margin_all=float(m.min()))
+            row = dict(
+                pos=n - len(prompt),
+                token=int(top[0]),
+                top2_gap=float(lg[top[0]] - lg[top[1]]),
+                min_router_margin_last=float(m[-1]),
+                min_router_margin_all=float(m.min()),
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
             seq.append(int(top[0]))
@@ -145,15 +174,28 @@ def dense_greedy(model, prompt: list[int], tokens: int) -> list[dict]:
         n = len(seq) - 1
         base = np.asarray(fwd(state, jnp.asarray(seq[:n] + [0] * (pad - n), jnp.int32))[0][n - 1])
         # (new lambdas: jax.jit(forward) again would reuse the trace cached for ``forward``)
-        other = np.asarray(jax.jit(lambda st, ids: forward(st, ids))(state, jnp.asarray(seq[:n] + [0] * (pad + 37 - n), jnp.int32))[0][n - 1])
-        out = dict(last_pos=n - len(prompt), max_dlogit_other_padding=float(np.abs(other - base).max()),
-                   logit_std=float(base.std()), top2=[int(t) for t in np.argsort(base)[::-1][:2]])
+        other = np.asarray(
+            jax.jit(lambda st, ids: forward(st, ids))(
+                state, jnp.asarray(seq[:n] + [0] * (pad + 37 - n), jnp.int32)
+            )[0][n - 1]
+        )
+        out = dict(
+            last_pos=n - len(prompt),
+            max_dlogit_other_padding=float(np.abs(other - base).max()),
+            logit_std=float(base.std()),
+            top2=[int(t) for t in np.argsort(base)[::-1][:2]],
+        )
         for scale in (1e-6, 1e-5, 1e-4):
             noise["scale"] = scale
-            noisy = np.asarray(jax.jit(lambda st, ids: forward(st, ids))(state, jnp.asarray(seq[:n] + [0] * (pad - n), jnp.int32))[0][n - 1])
+            noisy = np.asarray(
+                jax.jit(lambda st, ids: forward(st, ids))(
+                    state, jnp.asarray(seq[:n] + [0] * (pad - n), jnp.int32)
+                )[0][n - 1]
+            )
             out[f"router_noise_{scale:g}"] = dict(
                 max_dlogit=float(np.abs(noisy - base).max()),
-                top2=[int(t) for t in np.argsort(noisy)[::-1][:2]])
+                top2=[int(t) for t in np.argsort(noisy)[::-1][:2]],
+            )
         print(json.dumps(out), flush=True)
         return rows + [out]
     finally:
