@@ -3,7 +3,8 @@
 - :class:`NgramDrafter`: prompt lookup. At a node, the context is the request's tokens plus
   the drafted path; the continuations of the earlier occurrences of its last ``n`` tokens
   (``n = ngram_max .. 1``, the longest that matches) are the children, ranked by count.
-- :class:`ModelDrafter`: a small :class:`HybridLM` with its own cache pools mirroring the
+- :class:`ModelDrafter`: a small :class:`HybridLM` with its own cache (its ``draft_*`` fields of
+  the target's arena units, or its own pools with ``cache="pools"``) mirroring the
   target's committed tokens; each level is one ``verify_tree`` of the draft model over the
   partial tree, whose logits at the frontier nodes give their children.
 - :class:`MTPDrafter`: the target's MTP head; node ``n``'s input is its parent's MTP hidden
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from serving.runner import ModelRunner, MTPRunner
+from serving.runner import ArenaRunner, ModelRunner, MTPRunner
 from serving.spec_trees import TreeBuilder
 
 
@@ -67,11 +68,11 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """Drafts with a small model whose pools mirror the target's committed tokens."""
+    """Drafts with a small model whose cache mirrors the target's committed tokens."""
 
     uses_model = True
 
-    def __init__(self, runner: ModelRunner, num_nodes: int):
+    def __init__(self, runner: ModelRunner | ArenaRunner, num_nodes: int):
         self.runner = runner
         self.num_nodes = num_nodes
 
@@ -79,7 +80,8 @@ class ModelDrafter:
         return self.runner.compiled()
 
     def draft(self, contexts, builders, *, rows, temperature: float, **_) -> None:
-        """``rows``: ``(slots, page_table, lengths)`` of the batch, padded to its bucket."""
+        """``rows``: ``(ids, page_table, lengths)`` of the batch, padded to its bucket (the
+        target's handles for an arena runner, dense slot and page ids for a pools runner)."""
         slots, table, lengths = rows
         b = slots.shape[0]
         level = 0

@@ -37,7 +37,7 @@ class Engine:
         prefill_chunk: int,
         spec: SpecConfig | None,
         drafter=None,
-        draft_runner: ModelRunner | None = None,
+        draft_runner: ModelRunner | ArenaRunner | None = None,
         progress=None,
     ):
         self.runner = runner
@@ -67,13 +67,15 @@ class Engine:
         """The batch padded to its bucket: ``(target rows, draft rows)``, each ``(ids [B],
         page table [B, MP], lengths [B])``. The target's are the manager's handles (``state``
         handle, ``kv`` handles; ``-1`` padding) with the arena cache, else dense slot / page
-        ids; the draft model's are always dense ids of its own pools."""
+        ids; the draft model's are the same handles when its cache shares the target's arena
+        units (an arena draft runner), else dense ids of its own pools."""
         b = next(x for x in self.buckets if x >= len(reqs))
         mp = self.sched.pages_per_seq
         lens = np.zeros(b, np.int32)
         handles = np.full(b, -1, np.int32)
         kv = np.full((b, mp), -1, np.int32)
-        scratch = self.draft_runner.scratch if self.draft_runner is not None else 0
+        draft_kind = self.draft_runner.kind if self.draft_runner is not None else None
+        scratch = self.draft_runner.scratch if draft_kind == "pools" else 0
         if self.runner.kind == "pools":
             scratch = self.runner.scratch
         slots = np.full(b, scratch, np.int32)
@@ -85,7 +87,11 @@ class Engine:
             slots[i] = r.slot
             pages[i, : len(r.pages)] = r.pages
         dense = (slots, pages, lens)
-        return ((handles, kv, lens) if self.runner.kind == "arena" else dense), dense
+        arena = (handles, kv, lens)
+        return (
+            arena if self.runner.kind == "arena" else dense,
+            arena if draft_kind == "arena" else dense,
+        )
 
     def _scratch(self, reqs: list[Request], b: int) -> np.ndarray:
         """The target's speculative-scratch handles of the batch padded to ``b`` rows (arena

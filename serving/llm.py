@@ -80,7 +80,9 @@ class LLM:
     Args:
       model: HF directory, ``config.json``, :class:`ModelConfig`, HF config dict or model.
       memory_budget: bytes of the memory manager's arena (KV pages, state slots, speculative
-        scratch). Default: room for ``max_num_seqs`` requests of ``max_model_len`` tokens.
+        scratch; with a ``draft_model`` drafter and ``cache="arena"`` the draft's cache too, in
+        the same pages and slots). Default: room for ``max_num_seqs`` requests of
+        ``max_model_len`` tokens.
       memory_policy: ``"avmp"`` | ``"unified_padded"`` | ``"static_dual"`` | ``"multi_ended"``.
       speculative: a :class:`SpecConfig`, or ``None`` for plain decoding.
       max_num_seqs: most requests decoding at once (the largest batch bucket).
@@ -92,8 +94,10 @@ class LLM:
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
         manager's arena, read and written through the requests' handles (KV pages and state
-        slots exist once). ``"pools"``: the engine's own per-layer pools, the manager only
-        accounting (the cache is then held twice; kept as a reference for tests).
+        slots exist once), and so does a draft model's (``draft_*`` fields of the same units,
+        :class:`serving.memory.HybridLayout`). ``"pools"``: the engines' own per-layer pools,
+        the manager only accounting (the cache is then held twice; kept as a reference for
+        tests).
       kernels: how the arena cache's steps run (``cache="arena"`` only): ``"auto"``
         (default: on GPU the Pallas kernels that read the arena in place: tree verify,
         commit, the GDN decode step and paged attention; XLA on other backends),
@@ -153,8 +157,22 @@ class LLM:
         self.tokenizer = _tokenizer_for(model)
         pages_per_seq = -(-max_model_len // page_size)
         n = speculative.num_nodes if speculative else 1
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = load_model(speculative.draft_model, jdtype, seed + 1)
+            if draft.config.vocab_size != self.config.vocab_size:
+                raise ValueError(
+                    f"draft_model: vocab_size {draft.config.vocab_size} != target's "
+                    f"{self.config.vocab_size}"
+                )
         layout = layout_for(hf_layout_dict(self.config), page_size, spec_nodes=n, kv_dtype=dtype)
         layout = dataclasses.replace(layout, conv_dtype=dtype)  # the model's conv state dtype
+        if draft is not None and cache == "arena":
+            # the draft's cache shares the target's units: draft_* fields in each kv page and
+            # state slot (the same tokens), so it lives in the arena and under the budget too
+            layout = dataclasses.replace(
+                layout, draft=layout_for(hf_layout_dict(draft.config), page_size, spec_nodes=1)
+            )
         spec_kind = None
         if speculative is not None:
             spec_kind = "snapshot" if speculative.verify == "snapshot" else "stash"
@@ -186,13 +204,11 @@ class LLM:
                 pages_per_seq=pages_per_seq,
             )
         draft_runner = mtp_runner = None
-        if speculative is not None and speculative.method == "draft_model":
-            draft = load_model(speculative.draft_model, jdtype, seed + 1)
-            if draft.config.vocab_size != self.config.vocab_size:
-                raise ValueError(
-                    f"draft_model: vocab_size {draft.config.vocab_size} != target's "
-                    f"{self.config.vocab_size}"
-                )
+        if draft is not None and cache == "arena":
+            # (the draft's geometry may not suit the kernels the target was forced onto)
+            draft_kernels = "auto" if kernels == "pallas" else kernels
+            draft_runner = ArenaRunner(draft, self.manager, kernels=draft_kernels, draft=True)
+        elif draft is not None:
             draft_runner = ModelRunner(
                 draft,
                 num_slots=max_num_seqs,

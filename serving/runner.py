@@ -9,8 +9,9 @@ Two storages, one set of step functions (:mod:`gdn_jax.models.steps`):
   tree's state between verify and commit goes into the requests' ``stash`` / ``snapshot``
   units the same way (:meth:`ArenaRunner.verify`). Migrations and compactions move units and
   update the table; the next step reads the new table.
-- :class:`ModelRunner`: its own pools (``cache="pools"``, and the draft model, which the
-  manager does not hold).
+  A draft model's runner (``draft=True``) reads and writes its ``draft_*`` fields of the
+  same units through the same handles.
+- :class:`ModelRunner`: its own pools (``cache="pools"``, for the target and the draft model).
 
 The pools are a :class:`ModelCache` whose batch axis is the *state-slot* axis (``num_slots``
 slots plus one scratch slot that padded rows read and write) and whose KV pages are indexed by
@@ -333,15 +334,23 @@ class ArenaRunner:
 
     The speculative scratch lives in the arena (:meth:`verify`): the tree state goes into the
     rows' ``stash`` / ``snapshot`` units, and :meth:`commit` reads it from there.
+
+    ``draft=True``: the runner of a draft model whose cache shares the target's units (the
+    ``draft_*`` fields of ``manager.layout.draft``), addressed by the target's own handles;
+    it drafts with :meth:`verify` without scratch (the arena only read) and catches up with
+    :meth:`prefill`.
     """
 
-    def __init__(self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto"):
+    def __init__(
+        self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto", draft: bool = False
+    ):
         self.kind = "arena"
         self.model = model
         self.config = model.config
         self.manager = manager
+        self.draft = draft
         self.spec = ArenaSpec.from_layout(
-            manager.layout, model.embed_tokens[...].dtype, config=model.config
+            manager.layout, model.embed_tokens[...].dtype, config=model.config, draft=draft
         )
         self.kernel_choice, self.kernel_notes = select_kernels(kernels, self.spec, model.config)
         self.kernels = self.kernel_choice.name  # "xla" or "pallas", as resolved

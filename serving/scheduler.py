@@ -7,8 +7,9 @@ step. With the arena cache (the default) the step functions read and write the t
 through these handles (``Request.state_handle``, ``Request.kv_handles``), and the verify step
 writes the request's draft-tree state into its scratch units (``Request.spec_handles``), which
 the commit reads back (:meth:`serving.runner.ArenaRunner.verify`). Each request also
-keeps a dense slot id and page ids (``slot``, ``pages``) for runners with their own pools (the
-draft model, and the target with ``cache="pools"``).
+keeps a dense slot id and page ids (``slot``, ``pages``) for runners with their own pools
+(``cache="pools"``: the target and a draft model); with the arena cache a draft model's cache
+shares the target's units and handles.
 
 Preemption is by recompute: the victim (the most recently admitted running request) frees
 everything and goes back to the front of the queue; on readmission it prefills its prompt

@@ -25,6 +25,12 @@ its pre-conv inputs ``[Lg, conv_dim]`` then its draft K and V ``[La, Hkv, D]`` e
 (``ArenaSpec.snapshot_packing`` checks they fit: ``2 La Hkv D`` kv elements within
 ``Lg (conv_kernel - 2) conv_dim`` conv elements, true for every Qwen3-Next / Qwen3.5 config).
 
+With a draft model (``HybridLayout.draft``, the serving engine's ``draft_model`` drafter), its
+cache shares the target's units, since both models hold the same tokens: a ``kv`` page also
+holds ``draft_kv`` (the draft's K and V of the same ``page_size`` tokens) and a ``state`` slot
+(so a ``snapshot`` unit too, which shares its pool) ``draft_recurrent`` and ``draft_conv``, after
+the target's fields. The draft needs no speculative scratch (its verify only reads).
+
 ``conv_dim = 2 Hk K + Hv V`` (the conv runs over ``[q | k | v]``). Every field starts on a
 4-byte word boundary, so the arena can be a ``uint32`` buffer and each field a bitcast view.
 """
@@ -82,6 +88,9 @@ class HybridLayout:
       conv_kernel: short-conv kernel width (the conv state keeps ``conv_kernel - 1`` inputs).
       spec_nodes: draft-tree nodes ``N`` covered by one ``stash`` unit.
       kv_dtype, conv_dtype, state_dtype: storage dtypes (bf16, bf16, f32 by default).
+      draft: a draft model's layout whose cache shares these units (``draft_`` fields after
+        the target's in ``kv``, ``state`` and ``snapshot`` units); its ``page_size`` and
+        dtypes are this layout's, its ``spec_nodes`` unused. ``None``: no draft model.
     """
 
     page_size: int
@@ -98,6 +107,7 @@ class HybridLayout:
     kv_dtype: str = "bfloat16"
     conv_dtype: str = "bfloat16"
     state_dtype: str = "float32"
+    draft: HybridLayout | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "attn_layers", "kv_heads", "head_dim", "gdn_layers",
@@ -113,6 +123,22 @@ class HybridLayout:
                 f"k_heads ({self.k_heads}) (grouped value heads, DESIGN.md section 2)")
         for name in ("kv_dtype", "conv_dtype", "state_dtype"):
             jnp.dtype(getattr(self, name))  # raises TypeError on an unknown dtype name
+        if self.draft is not None and (
+            not isinstance(self.draft, HybridLayout) or self.draft.draft is not None
+        ):
+            raise ValueError(
+                f"HybridLayout.draft must be a HybridLayout without a draft of its own, got "
+                f"{self.draft!r}")
+
+    def _draft_fields(self, kind: str) -> list[tuple[str, tuple[int, ...], Any]]:
+        """The draft model's ``draft_*`` field specs in a unit of ``kind`` (none for
+        ``stash`` or without a draft): its dims at this layout's page size and dtypes."""
+        if self.draft is None or kind == "stash":
+            return []
+        d = dataclasses.replace(
+            self.draft, page_size=self.page_size, spec_nodes=self.spec_nodes,
+            kv_dtype=self.kv_dtype, conv_dtype=self.conv_dtype, state_dtype=self.state_dtype)
+        return [("draft_" + f.name, f.shape, f.dtype) for f in d.fields(kind)]
 
     @property
     def conv_dim(self) -> int:
@@ -129,12 +155,13 @@ class HybridLayout:
         lg, n = self.gdn_layers, self.spec_nodes
         if kind == "kv":
             shape = (self.attn_layers, 2, self.page_size, self.kv_heads, self.head_dim)
-            return _fields([("kv", shape, jnp.dtype(self.kv_dtype))])
+            return _fields([("kv", shape, jnp.dtype(self.kv_dtype)), *self._draft_fields(kind)])
         if kind in ("state", "snapshot"):
             return _fields([
                 ("recurrent", (lg, self.v_heads, self.key_dim, self.value_dim),
                  jnp.dtype(self.state_dtype)),
                 ("conv", (lg, self.conv_kernel - 1, self.conv_dim), jnp.dtype(self.conv_dtype)),
+                *self._draft_fields(kind),
             ])
         if kind == "stash":
             return _fields([

@@ -99,11 +99,22 @@ class ArenaSpec:
     stash: tuple[Field, ...] = ()
 
     @staticmethod
-    def from_layout(layout, model_dtype, config=None) -> ArenaSpec:
+    def from_layout(layout, model_dtype, config=None, *, draft: bool = False) -> ArenaSpec:
         """From the manager's (effective) layout; checks it matches the model ``config``
-        (a :class:`gdn_jax.models.ModelConfig`) when given."""
-        state = {f.name: f for f in layout.fields("state")}
-        kv = layout.fields("kv")[0]
+        (a :class:`gdn_jax.models.ModelConfig`) when given. ``draft=True``: the draft
+        model's ``draft_*`` fields of the same units (no speculative scratch)."""
+        prefix = "draft_" if draft else ""
+        if draft and layout.draft is None:
+            raise ValueError("draft=True: the memory layout has no draft model (layout.draft)")
+
+        def named(kind):
+            return {
+                f.name.removeprefix(prefix): f
+                for f in layout.fields(kind)
+                if f.name.startswith(prefix) and (draft or not f.name.startswith("draft_"))
+            }
+
+        state, kv = named("state"), named("kv")["kv"]
         rec, conv = state["recurrent"], state["conv"]
         lg, la = rec.shape[0], kv.shape[0]
         if config is not None:
@@ -128,10 +139,11 @@ class ArenaSpec:
                 ),
             }
             for f in (rec, conv, kv):
-                if f.shape != want[f.name]:
+                if f.shape != want[f.name.removeprefix(prefix)]:
                     raise ValueError(
                         f"memory layout field {f.name!r} has shape {f.shape}, the model needs "
-                        f"{want[f.name]}: build the manager with layout_for(config, page_size)"
+                        f"{want[f.name.removeprefix(prefix)]}: build the manager with "
+                        "layout_for(config, page_size)"
                     )
         spec = ArenaSpec(
             gdn_layers=lg,
@@ -148,7 +160,7 @@ class ArenaSpec:
             kv_dtype=str(kv.dtype),
             kv_offset=kv.word_offset,
             model_dtype=str(jnp.dtype(model_dtype)),
-            stash=layout.fields("stash"),
+            stash=() if draft else layout.fields("stash"),
         )
         for name, shape, dtype in (
             ("recurrent", spec.state_shape, spec.state_dtype),

@@ -39,12 +39,15 @@ def reference(target):
     return out
 
 
-def drive(llm: LLM, prompt_ids, params, between=None) -> list[list[int]]:
-    """``llm.generate`` one engine step at a time, calling ``between(llm)`` after each."""
+def drive(llm: LLM, prompt_ids, params, between=None, requests=None) -> list[list[int]]:
+    """``llm.generate`` one engine step at a time, calling ``between(llm)`` after each; the
+    requests are appended to ``requests`` when given."""
     reqs = [
         Request(index=i, rid=("arena-test", next(_ids)), prompt=list(p), params=params, arrival=0.0)
         for i, p in enumerate(prompt_ids)
     ]
+    if requests is not None:
+        requests += reqs
     for r in reqs:
         llm.scheduler.add(r)
     while llm.scheduler.waiting or llm.scheduler.running:
@@ -170,22 +173,14 @@ def _fill_and_free(mm) -> None:
     mm.free("dummy")
 
 
-@pytest.mark.parametrize("spec", [None, dict(method="ngram", tree=(4, 2, 2))])
-def test_compaction_between_steps_keeps_outputs(spec, target, reference):
-    """Between steps: a filler request takes every free KV unit, so the running requests'
-    next pages land in fresh segments; every third step the filler is freed (KV segments
-    holding a page or two each) and the arena is filled with stash units, which compacts the
-    KV pool: live pages move, the table changes, and the next step reads through it."""
-    speculative = SpecConfig(**spec) if spec else None
-    layout = LLM(target, speculative=speculative, **ENGINE).layout
-    unit = max(layout.unit_bytes(k) for k in ("kv", "state", "snapshot", "stash"))
-    llm = LLM(
-        target, memory_budget=48 * unit, segment_bytes=unit, speculative=speculative, **ENGINE
-    )
-    mm = llm.manager
-    moved = []
+def compacting(moved: list[int]):
+    """A ``drive`` callback: after each step a filler request takes every free KV unit, so the
+    running requests' next pages land in fresh segments; every third step the filler is freed
+    and the arena filled with stash units (:func:`_fill_and_free`), which compacts the KV pool.
+    Appends to ``moved`` how many live units of running requests moved (0 on other steps)."""
 
     def perturb(llm):
+        mm = llm.manager
         free = mm.stats()["pools"]["kv"]["free_units"]
         if free:
             mm.alloc("filler", "kv", free)
@@ -200,7 +195,24 @@ def test_compaction_between_steps_keeps_outputs(spec, target, reference):
         else:
             moved.append(0)
 
-    out = drive(llm, PROMPTS, PARAMS, perturb)
+    return perturb
+
+
+@pytest.mark.parametrize("spec", [None, dict(method="ngram", tree=(4, 2, 2))])
+def test_compaction_between_steps_keeps_outputs(spec, target, reference):
+    """Between steps: a filler request takes every free KV unit, so the running requests'
+    next pages land in fresh segments; every third step the filler is freed (KV segments
+    holding a page or two each) and the arena is filled with stash units, which compacts the
+    KV pool: live pages move, the table changes, and the next step reads through it."""
+    speculative = SpecConfig(**spec) if spec else None
+    layout = LLM(target, speculative=speculative, **ENGINE).layout
+    unit = max(layout.unit_bytes(k) for k in ("kv", "state", "snapshot", "stash"))
+    llm = LLM(
+        target, memory_budget=48 * unit, segment_bytes=unit, speculative=speculative, **ENGINE
+    )
+    mm = llm.manager
+    moved = []
+    out = drive(llm, PROMPTS, PARAMS, compacting(moved))
     assert out == reference
     stats = mm.stats()
     assert stats["compactions"] > 0 and stats["migrations"] > 0, (

@@ -1,0 +1,138 @@
+"""A draft model's cache lives in the target's arena (``LLM(cache="arena")`` with the
+``draft_model`` drafter): its K/V and states are ``draft_*`` fields of the target's own KV pages
+and state slots, addressed by the same handles. The drafts it makes (so the acceptance lengths)
+equal those of its dense pools (``cache="pools"``), through compactions between steps, and the
+device holds nothing but the arena and the handle table between steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving import LLM, SamplingParams, SpecConfig
+from serving.memory import HybridLayout, layout_for
+from serving.memory.model_cache import ArenaSpec
+from tests.serving.conftest import ENGINE, prompts
+from tests.serving.test_arena_cache import _engine_arrays, compacting, drive
+
+PARAMS = SamplingParams(max_tokens=24)
+SPECS = {
+    "wy": dict(method="draft_model", tree=(2, 2)),
+    "snapshot": dict(method="draft_model", budget=8, depth=3, verify="snapshot"),
+}
+
+
+def _spec(name, draft):
+    return SpecConfig(**SPECS[name], draft_model=draft)
+
+
+@pytest.fixture(scope="module")
+def pools_runs(target, draft):
+    """Tokens and acceptance lengths with the draft in its own dense pools (the reference)."""
+    out = {}
+    for name in SPECS:
+        llm = LLM(target, speculative=_spec(name, draft), cache="pools", **ENGINE)
+        assert llm.engine.draft_runner.kind == "pools"
+        res = llm.generate(prompts(6), PARAMS)
+        out[name] = ([o.token_ids for o in res], [o.metrics["acceptance_lengths"] for o in res])
+    return out
+
+
+def test_draft_fields_share_the_target_units(target, draft):
+    llm = LLM(target, speculative=_spec("wy", draft), **ENGINE)
+    lay = llm.manager.layout
+    assert lay.draft is not None
+    plain = dataclasses.replace(lay, draft=None)
+    names = {k: [f.name for f in lay.fields(k)] for k in ("kv", "state", "snapshot", "stash")}
+    assert names["kv"] == ["kv", "draft_kv"]
+    assert (
+        names["state"]
+        == names["snapshot"]
+        == ["recurrent", "conv", "draft_recurrent", "draft_conv"]
+    )
+    assert names["stash"] == [f.name for f in plain.fields("stash")]  # no draft scratch
+    # each unit grows by exactly the draft's own unit, at the target's page size and dtypes
+    alone = dataclasses.replace(
+        lay.draft, page_size=lay.page_size, kv_dtype=lay.kv_dtype, conv_dtype=lay.conv_dtype
+    )
+    for kind in ("kv", "state"):
+        assert lay.unit_words(kind) == plain.unit_words(kind) + alone.unit_words(kind)
+    assert lay.unit_words("stash") == plain.unit_words("stash")
+    # the two runners address disjoint words of the same units
+    t, d = llm.runner.spec, llm.engine.draft_runner.spec
+    assert llm.engine.draft_runner.kind == "arena" and llm.engine.draft_runner.draft
+    assert d.kv_offset >= t.kv_offset + t.attn_layers * 2 * t.page_size * t.token_words
+    assert d.state_offset >= t.conv_offset + t.gdn_layers * t.conv_words
+    assert d.conv_offset >= d.state_offset + d.gdn_layers * d.state_words
+    assert d.stash == () and t.stash
+    assert (d.gdn_layers, d.attn_layers) == (
+        len(draft.config.gdn_layers),
+        len(draft.config.attn_layers),
+    )
+
+
+def test_layout_validation():
+    cfg = dict(
+        num_hidden_layers=4, full_attention_interval=4, num_key_value_heads=1, head_dim=16,
+        hidden_size=32, num_attention_heads=2, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16,
+    )  # fmt: skip
+    lay = layout_for(cfg, 8)
+    with pytest.raises(ValueError, match="draft"):
+        ArenaSpec.from_layout(lay, jnp.float32, draft=True)
+    with pytest.raises(ValueError, match="HybridLayout.draft"):
+        HybridLayout(**{**dataclasses.asdict(lay), "draft": dataclasses.replace(lay, draft=lay)})
+    with pytest.raises(ValueError, match="HybridLayout.draft"):
+        dataclasses.replace(lay, draft="not a layout")
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_arena_draft_makes_the_pools_drafts(name, target, draft, pools_runs):
+    """Same tokens and the same acceptance lengths as the draft's dense pools: the drafts
+    (which decide the acceptance) come out the same, also when every step is followed by a
+    compaction that moves the running requests' units (draft fields included)."""
+    tokens, accepts = pools_runs[name]
+    assert max(max(a) for a in accepts) > 1  # the draft did get tokens accepted
+    llm = LLM(target, speculative=_spec(name, draft), **ENGINE)
+    res = llm.generate(prompts(6), PARAMS)
+    assert [o.token_ids for o in res] == tokens
+    assert [o.metrics["acceptance_lengths"] for o in res] == accepts
+
+    unit = max(llm.layout.unit_bytes(k) for k in ("kv", "state", "snapshot", "stash"))
+    llm = LLM(
+        target, speculative=_spec(name, draft), memory_budget=48 * unit, segment_bytes=unit,
+        **ENGINE,
+    )  # fmt: skip
+    moved, reqs = [], []
+    out = drive(llm, prompts(6), PARAMS, compacting(moved), reqs)
+    assert out == tokens
+    assert [r.accept_lengths for r in reqs] == accepts
+    assert llm.manager.stats()["compactions"] > 0
+    assert sum(moved) > 0, moved  # live units of running requests moved between steps
+
+
+def test_draft_cache_is_no_second_buffer(target, draft):
+    """Between steps the device holds the arena and the handle table only: no draft pools."""
+    gc.collect()
+    baseline = {id(a): weakref.ref(a) for a in jax.live_arrays()}
+    llm = LLM(target, speculative=_spec("wy", draft), **ENGINE)
+    arena, runners = llm.manager.arena, (llm.runner, llm.engine.draft_runner)
+    seen = []
+
+    def measure(llm):
+        arrays = _engine_arrays(baseline)
+        allowed = {id(arena.buffer)} | {id(r._table) for r in runners}
+        assert {id(a) for a in arrays} <= allowed, [(a.shape, a.dtype) for a in arrays]
+        seen.append(sum(a.nbytes for a in arrays))
+
+    out = drive(llm, prompts(6, seed=3), SamplingParams(max_tokens=20), measure)
+    assert len(seen) > 10 and all(len(o) == 20 for o in out)
+    assert max(seen) <= arena.nbytes + 2 * llm.runner._table.nbytes
+    assert not hasattr(llm.engine.draft_runner, "pool")
+    assert np.all(np.asarray(seen) >= arena.nbytes)
