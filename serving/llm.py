@@ -95,7 +95,8 @@ class LLM:
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
         manager's arena, read and written through the requests' handles (KV pages and state
         slots exist once), and so does a draft model's (``draft_*`` fields of the same units,
-        :class:`serving.memory.HybridLayout`). ``"pools"``: the engines' own per-layer pools,
+        :class:`serving.memory.HybridLayout`; a draft without both GDN and attention layers
+        keeps its own pools). ``"pools"``: the engines' own per-layer pools,
         the manager only accounting (the cache is then held twice; kept as a reference for
         tests).
       kernels: how the arena cache's steps run (``cache="arena"`` only): ``"auto"``
@@ -167,9 +168,16 @@ class LLM:
                 )
         layout = layout_for(hf_layout_dict(self.config), page_size, spec_nodes=n, kv_dtype=dtype)
         layout = dataclasses.replace(layout, conv_dtype=dtype)  # the model's conv state dtype
-        if draft is not None and cache == "arena":
-            # the draft's cache shares the target's units: draft_* fields in each kv page and
-            # state slot (the same tokens), so it lives in the arena and under the budget too
+        # the draft's cache shares the target's units: draft_* fields in each kv page and state
+        # slot (the same tokens), so it lives in the arena and under the budget too. (A draft
+        # without both layer kinds has no such layout and keeps its own pools.)
+        draft_in_arena = (
+            draft is not None
+            and cache == "arena"
+            and bool(draft.config.gdn_layers)
+            and bool(draft.config.attn_layers)
+        )
+        if draft_in_arena:
             layout = dataclasses.replace(
                 layout, draft=layout_for(hf_layout_dict(draft.config), page_size, spec_nodes=1)
             )
@@ -204,7 +212,7 @@ class LLM:
                 pages_per_seq=pages_per_seq,
             )
         draft_runner = mtp_runner = None
-        if draft is not None and cache == "arena":
+        if draft_in_arena:
             # (the draft's geometry may not suit the kernels the target was forced onto)
             draft_kernels = "auto" if kernels == "pallas" else kernels
             draft_runner = ArenaRunner(draft, self.manager, kernels=draft_kernels, draft=True)

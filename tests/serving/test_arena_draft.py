@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdn_jax.models import init_random
+from gdn_jax.models.config import LINEAR
 from serving import LLM, SamplingParams, SpecConfig
 from serving.memory import HybridLayout, layout_for
 from serving.memory.model_cache import ArenaSpec
-from tests.serving.conftest import ENGINE, prompts
+from tests.serving.conftest import ENGINE, prompts, sharpened, tiny_config
 from tests.serving.test_arena_cache import _engine_arrays, compacting, drive
 
 PARAMS = SamplingParams(max_tokens=24)
@@ -136,3 +138,19 @@ def test_draft_cache_is_no_second_buffer(target, draft):
     assert max(seen) <= arena.nbytes + 2 * llm.runner._table.nbytes
     assert not hasattr(llm.engine.draft_runner, "pool")
     assert np.all(np.asarray(seen) >= arena.nbytes)
+
+
+def test_draft_without_attention_keeps_its_own_pools(target):
+    """A GDN-only draft has no hybrid layout to share: it keeps dense pools (and still
+    drafts for the arena-backed target)."""
+    cfg = tiny_config(
+        num_hidden_layers=2, layer_types=(LINEAR, LINEAR), mtp_num_hidden_layers=0, hidden_size=16
+    )
+    gdn_only = sharpened(init_random(cfg, jnp.float32, seed=3))
+    spec = SpecConfig(method="draft_model", draft_model=gdn_only, tree=(2, 2))
+    llm = LLM(target, speculative=spec, **ENGINE)
+    assert llm.runner.kind == "arena" and llm.engine.draft_runner.kind == "pools"
+    assert llm.manager.layout.draft is None
+    plain = LLM(target, **ENGINE).generate(prompts(3), PARAMS)
+    out = llm.generate(prompts(3), PARAMS)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
