@@ -7,8 +7,10 @@
 #   bash benchmarks/h200_next.sh e   # real dims, f32: where tree WY's tokens leave plain's
 #   bash benchmarks/h200_next.sh f   # real dims, f32: e's differing row (3) by dense greedy,
 #                                    # with router margins and float-noise sensitivity
-# Next session (after session 6): c first. Session 6 found that the benchmark's conv read forced
-# a whole-arena copy per layer (fixed in arena_read.py, not yet re-run on the GPU). Then e.
+# Next session (after session 7): a. It runs tests/serving/test_arena_draft.py (new in session 7:
+# the draft model's cache in the target's arena units) on the GPU with the engine tests, then
+# the serving bench, whose draft_model rows now run the draft from the arena. c, e and f were
+# done in session 7 (benchmarks/README.md, "Session 7").
 # d takes DTYPE (bfloat16), KERNELS (auto) and LIMIT (330 s); f32 needs LIMIT=500.
 # Session 4 found that the bench compiles for ~35-70 s per engine on the GPU (four engines, no
 # persistent cache on a fresh machine), so each bench gets most of a call.
@@ -16,7 +18,8 @@ set -u
 source "$(dirname "$0")/h200_lib.sh"
 case "${1:-a}" in
 a)
-  TAILN=8 step 150 engine python3 -m pytest -q -p no:cacheprovider tests/serving/test_arena_kernels_engine.py \
+  TAILN=8 step 200 engine python3 -m pytest -q -p no:cacheprovider tests/serving/test_arena_kernels_engine.py \
+    tests/serving/test_arena_draft.py \
     tests/pallas_kernels/test_arena_attention.py tests/pallas_kernels/test_arena_decode.py \
     $(ls tests/pallas_kernels/test_arena_prefill.py 2>/dev/null)
   TAILN=10 step 400 bench_xla python3 -m serving bench --kernels xla --compile-cache "" --json "$OUT/bench_xla.json"
