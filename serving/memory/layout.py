@@ -8,13 +8,15 @@ kind        pool         fields (shape, dtype)
 ==========  ===========  =============================================================
 kv          kv           kv: [La, 2, page_size, Hkv, D] kv_dtype (K and V of page_size tokens)
 state       state        recurrent: [Lg, Hv, K, V] f32;  conv: [Lg, conv_kernel-1, conv_dim] bf16
-snapshot    state        same as state: one per-draft-node state (the vLLM/SGLang baseline)
+snapshot    state [1]    same as state: one per-draft-node state (the vLLM/SGLang baseline)
 stash       stash        u: [Lg, N, Hv, V] f32; k: [Lg, N, Hk, K] kv_dtype; g: [Lg, N, Hv] f32;
                          x: [Lg, N, conv_dim] bf16; dk, dv: [La, N, Hkv, D] kv_dtype
                          (tree-WY stash of N = spec_nodes nodes: u, k, g what tree_commit
                          reads, DESIGN.md section 3; x the nodes' pre-conv inputs for the
                          conv commit; dk, dv the attention layers' draft K/V)
 ==========  ===========  =============================================================
+
+[1] Its own ``snapshot`` pool when a draft model's fields make state slots bigger (below).
 
 The serving engine's arena runner keeps a request's whole speculative scratch (the
 ``TreeState`` that ``verify_tree`` returns and ``commit`` consumes) in these units: verify
@@ -28,8 +30,10 @@ its pre-conv inputs ``[Lg, conv_dim]`` then its draft K and V ``[La, Hkv, D]`` e
 With a draft model (``HybridLayout.draft``, the serving engine's ``draft_model`` drafter), its
 cache shares the target's units, since both models hold the same tokens: a ``kv`` page also
 holds ``draft_kv`` (the draft's K and V of the same ``page_size`` tokens) and a ``state`` slot
-(so a ``snapshot`` unit too, which shares its pool) ``draft_recurrent`` and ``draft_conv``, after
-the target's fields. The draft needs no speculative scratch (its verify only reads).
+``draft_recurrent`` and ``draft_conv``, after the target's fields. The draft needs no
+speculative scratch (its verify only reads), so ``snapshot`` and ``stash`` units do not change;
+a ``snapshot`` unit is then smaller than a state slot and the policies give it a pool of its
+own (:meth:`serving.memory.policies.Policy.pool_of_kind`).
 
 ``conv_dim = 2 Hk K + Hv V`` (the conv runs over ``[q | k | v]``). Every field starts on a
 4-byte word boundary, so the arena can be a ``uint32`` buffer and each field a bitcast view.
@@ -89,8 +93,8 @@ class HybridLayout:
       spec_nodes: draft-tree nodes ``N`` covered by one ``stash`` unit.
       kv_dtype, conv_dtype, state_dtype: storage dtypes (bf16, bf16, f32 by default).
       draft: a draft model's layout whose cache shares these units (``draft_`` fields after
-        the target's in ``kv``, ``state`` and ``snapshot`` units); its ``page_size`` and
-        dtypes are this layout's, its ``spec_nodes`` unused. ``None``: no draft model.
+        the target's in ``kv`` and ``state`` units); its ``page_size`` and dtypes are this
+        layout's, its ``spec_nodes`` unused. ``None``: no draft model.
     """
 
     page_size: int
@@ -131,9 +135,10 @@ class HybridLayout:
                 f"{self.draft!r}")
 
     def _draft_fields(self, kind: str) -> list[tuple[str, tuple[int, ...], Any]]:
-        """The draft model's ``draft_*`` field specs in a unit of ``kind`` (none for
-        ``stash`` or without a draft): its dims at this layout's page size and dtypes."""
-        if self.draft is None or kind == "stash":
+        """The draft model's ``draft_*`` field specs in a unit of ``kind`` (``kv`` and
+        ``state`` only; none without a draft): its dims at this layout's page size and
+        dtypes."""
+        if self.draft is None or kind not in ("kv", "state"):
             return []
         d = dataclasses.replace(
             self.draft, page_size=self.page_size, spec_nodes=self.spec_nodes,

@@ -228,7 +228,7 @@ class MemoryManager:
         self.natural_layout = layout
         self.layout = self.policy.effective_layout(layout)
         self.budget_bytes = int(budget_bytes)
-        self._pool_of_kind = self.policy.pool_of_kind()
+        self._pool_of_kind = self.policy.pool_of_kind(self.layout)
         self._fields = {k: {f.name: f for f in self.layout.fields(k)} for k in KINDS}
         self._default_field = {k: self.layout.fields(k)[0] for k in KINDS}
         self._unit_words = {k: self.layout.unit_words(k) for k in KINDS}

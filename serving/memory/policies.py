@@ -6,7 +6,8 @@ the segments a pool should take (unowned ones, or ones another pool must give up
 units are moved out), or ``None`` when no such set exists. The manager checks nothing else and
 executes the plan, so a ``None`` plan is what makes a failed allocation change nothing.
 
-- ``avmp``: one segment space shared by the KV, state and stash pools. A pool takes unowned
+- ``avmp``: one segment space shared by the KV, state and stash pools (and a snapshot pool
+  when a draft model's fields make state slots bigger than snapshot units). A pool takes unowned
   segments first, then wholly free segments of other pools (those of the pool with the most
   free segments first: no data moves), then compacts: among the segments other pools can give
   up (each keeps room for its live units), it takes the set that costs least to empty, one
@@ -54,8 +55,14 @@ class Policy:
     def effective_layout(self, layout: HybridLayout) -> HybridLayout:
         return layout
 
-    def pool_of_kind(self) -> dict[str, str]:
-        return dict(POOL_OF_KIND)
+    def pool_of_kind(self, layout: HybridLayout) -> dict[str, str]:
+        """Pool name of each kind: :data:`POOL_OF_KIND`, except that a ``snapshot`` unit
+        smaller than a state slot (a draft model's fields live in state slots only) gets its
+        own ``snapshot`` pool rather than a state slot's room."""
+        out = dict(POOL_OF_KIND)
+        if layout.unit_words("snapshot") != layout.unit_words("state"):
+            out["snapshot"] = "snapshot"
+        return out
 
     def pool_groups(self, pool_names: list[str], num_segments: int) -> tuple[list[int], list[int]]:
         """(group of each pool, group of each segment): a pool only ever owns its group."""
@@ -109,7 +116,7 @@ class Policy:
         Pool ``q`` can give up at most ``owned - empty - min_segments`` busy segments (its
         free segments are already taken), cheapest = fewest live units first. Cost of a choice:
         the bytes of the units it moves plus ``launch_bytes`` per pool it touches (each victim
-        pool is one copy kernel). Every subset of victim pools is tried (there are at most two
+        pool is one copy kernel). Every subset of victim pools is tried (there are at most three
         other pools), so the choice is the cheapest, and deterministic (ties: fewer pools, then
         lower pool index, then higher segment: the low segments stay packed)."""
         live = mm.seg_live
@@ -202,7 +209,7 @@ class UnifiedPadded(Policy):
         mult = -(-biggest // layout.kv_page_bytes)
         return dataclasses.replace(layout, page_size=layout.page_size * mult)
 
-    def pool_of_kind(self) -> dict[str, str]:
+    def pool_of_kind(self, layout: HybridLayout) -> dict[str, str]:
         return dict.fromkeys(KINDS, "unified")
 
 

@@ -53,19 +53,20 @@ def test_draft_fields_share_the_target_units(target, draft):
     plain = dataclasses.replace(lay, draft=None)
     names = {k: [f.name for f in lay.fields(k)] for k in ("kv", "state", "snapshot", "stash")}
     assert names["kv"] == ["kv", "draft_kv"]
-    assert (
-        names["state"]
-        == names["snapshot"]
-        == ["recurrent", "conv", "draft_recurrent", "draft_conv"]
-    )
-    assert names["stash"] == [f.name for f in plain.fields("stash")]  # no draft scratch
+    assert names["state"] == ["recurrent", "conv", "draft_recurrent", "draft_conv"]
+    # no draft scratch: snapshot and stash units as without a draft; snapshots get their own
+    # pool (a state slot's room would waste the draft part per node)
+    for kind in ("snapshot", "stash"):
+        assert lay.fields(kind) == plain.fields(kind)
+    pools = {k: llm.manager._pool_for(k).name for k in ("kv", "state", "snapshot", "stash")}
+    assert pools == {"kv": "kv", "state": "state", "snapshot": "snapshot", "stash": "stash"}
     # each unit grows by exactly the draft's own unit, at the target's page size and dtypes
     alone = dataclasses.replace(
         lay.draft, page_size=lay.page_size, kv_dtype=lay.kv_dtype, conv_dtype=lay.conv_dtype
     )
     for kind in ("kv", "state"):
         assert lay.unit_words(kind) == plain.unit_words(kind) + alone.unit_words(kind)
-    assert lay.unit_words("stash") == plain.unit_words("stash")
+
     # the two runners address disjoint words of the same units
     t, d = llm.runner.spec, llm.engine.draft_runner.spec
     assert llm.engine.draft_runner.kind == "arena" and llm.engine.draft_runner.draft
@@ -154,3 +155,14 @@ def test_draft_without_attention_keeps_its_own_pools(target):
     plain = LLM(target, **ENGINE).generate(prompts(3), PARAMS)
     out = llm.generate(prompts(3), PARAMS)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+
+
+def test_snapshot_memory_does_not_grow_with_the_draft(target, draft):
+    """The snapshot baseline's speculative memory is the same with the draft in the arena as
+    with its own pools: per-node snapshots carry no draft fields."""
+    spec = _spec("snapshot", draft)
+    arena = LLM(target, speculative=spec, **ENGINE)
+    pools = LLM(target, speculative=spec, cache="pools", **ENGINE)
+    assert arena.spec_bytes_per_request == pools.spec_bytes_per_request > 0
+    assert arena.manager._pool_for("snapshot").unit_words == arena.layout.unit_words("snapshot")
+    assert pools.manager._pool_for("snapshot").name == "state"  # no draft: shares the pool
