@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from serving.memory import HybridLayout, MemoryManager
@@ -11,13 +13,22 @@ from serving.memory import HybridLayout, MemoryManager
 TINY = HybridLayout(page_size=4, attn_layers=1, kv_heads=1, head_dim=8, gdn_layers=3,
                     k_heads=1, v_heads=2, key_dim=4, value_dim=4, spec_nodes=3)
 TINY_SEGMENTS = 6
+# With a draft model's fields in its KV pages and state slots (so snapshots get a fourth pool).
+TINY_DRAFT = dataclasses.replace(
+    TINY,
+    draft=HybridLayout(page_size=4, attn_layers=1, kv_heads=1, head_dim=4, gdn_layers=1,
+                       k_heads=1, v_heads=1, key_dim=4, value_dim=4),
+)  # fmt: skip
 
 
-def tiny_manager(policy: str, segments: int = TINY_SEGMENTS, **kwargs) -> MemoryManager:
-    """A manager over :data:`TINY` with ``segments`` segments of two of its largest units."""
-    probe = MemoryManager(TINY, 1 << 23, policy, **kwargs)
+def tiny_manager(
+    policy: str, segments: int = TINY_SEGMENTS, layout: HybridLayout = TINY, **kwargs
+) -> MemoryManager:
+    """A manager over ``layout`` (:data:`TINY`) with ``segments`` segments of two of its
+    largest units."""
+    probe = MemoryManager(layout, 1 << 23, policy, **kwargs)
     seg = 2 * max(p.unit_words for p in probe.pools) * 4
-    return MemoryManager(TINY, segments * seg, policy, segment_bytes=seg, **kwargs)
+    return MemoryManager(layout, segments * seg, policy, segment_bytes=seg, **kwargs)
 
 
 def random_field(field, rng: np.random.Generator) -> np.ndarray:

@@ -23,7 +23,13 @@ from serving.memory import (
     UnknownKindError,
     UnknownRequestError,
 )
-from tests.serving.memory.memory_helpers import field_words, random_field, tiny_manager
+from tests.serving.memory.memory_helpers import (
+    TINY,
+    TINY_DRAFT,
+    field_words,
+    random_field,
+    tiny_manager,
+)
 
 REQUESTS = st.sampled_from(["a", "b", "c", "d", 7])
 KINDS = st.sampled_from(["kv", "kv", "state", "snapshot", "stash"])
@@ -39,10 +45,11 @@ def snapshot(mm) -> tuple:
 class ManagerMachine(RuleBasedStateMachine):
     policy = "avmp"
     policy_args: dict = {}
+    layout = TINY
 
     def __init__(self):
         super().__init__()
-        self.mm = tiny_manager(self.policy, segments=4, **self.policy_args)
+        self.mm = tiny_manager(self.policy, segments=4, layout=self.layout, **self.policy_args)
         self.rng = np.random.default_rng(0)
         self.model: dict[int, tuple[str, object, dict[str, np.ndarray]]] = {}
         self.freed_requests: set = set()
@@ -198,8 +205,9 @@ SETTINGS = settings(max_examples=25, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def _machine(policy, **args):
-    cls = type(f"{policy}Machine", (ManagerMachine,), {"policy": policy, "policy_args": args})
+def _machine(policy, layout=TINY, **args):
+    attrs = {"policy": policy, "policy_args": args, "layout": layout}
+    cls = type(f"{policy}Machine", (ManagerMachine,), attrs)
     return SETTINGS(cls).TestCase
 
 
@@ -207,3 +215,14 @@ TestAVMP = _machine("avmp")
 TestStaticDual = _machine("static_dual", ratio=1.0)
 TestMultiEnded = _machine("multi_ended")
 TestUnifiedPadded = _machine("unified_padded")
+# A draft model's fields in KV pages and state slots: four pools (snapshots get their own).
+TestAVMPDraft = _machine("avmp", layout=TINY_DRAFT)
+TestStaticDualDraft = _machine("static_dual", layout=TINY_DRAFT, ratio=1.0)
+TestMultiEndedDraft = _machine("multi_ended", layout=TINY_DRAFT)
+
+
+def test_draft_layout_has_four_pools():
+    mm = tiny_manager("avmp", layout=TINY_DRAFT)
+    assert [p.name for p in mm.pools] == ["kv", "state", "snapshot", "stash"]
+    assert mm._pool_for("snapshot").unit_words < mm._pool_for("state").unit_words
+    assert [p.name for p in tiny_manager("avmp").pools] == ["kv", "state", "stash"]
