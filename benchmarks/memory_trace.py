@@ -226,10 +226,19 @@ class Sim:
 
     def __init__(
         self, layout: HybridLayout, budget: int, policy: str, cell: Cell, cost,
-        max_prefill_tokens: int | None = None,
+        max_prefill_tokens: int | None = None, chunked_prefill: int | None = None,
     ):  # fmt: skip
+        if max_prefill_tokens and chunked_prefill:
+            raise ValueError(
+                "max_prefill_tokens (whole prompts) and chunked_prefill (prompts split into "
+                "chunks) are two scheduler models: pass one of them")
+        for name, v in (("max_prefill_tokens", max_prefill_tokens),
+                        ("chunked_prefill", chunked_prefill)):
+            if v is not None and (type(v) is not int or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
         self.mm = MemoryManager(layout, budget, policy, **POLICY_ARGS.get(policy, {}))
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
         self.natural = layout
         self.cell, self.cost = cell, cost
         self.lat_ns: list[int] = []
@@ -253,6 +262,12 @@ class Sim:
             req[k] for k in ("arrival", "prompt", "output", "accept")
         )
         gen, pages = [0] * n, [0] * n
+        # Chunked prefill: a running request whose ``filled`` prompt tokens (of ``target``:
+        # prompt + tokens generated before a preemption) are not all in its KV cache yet is
+        # still prefilling; it holds pages for ``filled`` tokens only and does not decode.
+        # Without chunking every prompt is filled in its admission step.
+        filled, target = [0] * n, [0] * n
+        chunk = self.chunked_prefill
         done = np.full(n, np.nan)
         waiting: deque[int] = deque()
         running: list[int] = []
@@ -276,7 +291,7 @@ class Sim:
             # at once, then each commits its accepted tokens and frees its scratch.
             batch = []
             for r in list(running):
-                if r in running:
+                if r in running and filled[r] == target[r]:
                     got = self._grow(r, scratch_kind, scratch_n, running, waiting)
                     if got is not None:
                         batch.append((r, got))
@@ -297,14 +312,36 @@ class Sim:
                     done[r] = -1.0  # stamped with the step's end time below
                     self.finished += 1
             prefill = 0
+            # Chunked prefill (vLLM V1's ``max_num_batched_tokens`` with chunked prefill on,
+            # SGLang's ``chunked_prefill_size``): the step's token budget goes to the decoding
+            # requests' verified nodes first, then to the prefilling requests' next chunks in
+            # running order (their KV pages are allocated chunk by chunk, preempting the newest
+            # on OOM), then to new admissions' first chunks.
+            budget = math.inf if chunk is None else max(0, chunk - nodes)
+            for r in list(running):
+                if budget <= 0:
+                    break
+                if r not in running or filled[r] == target[r]:
+                    continue
+                c = min(budget, target[r] - filled[r])
+                need = -(-(filled[r] + c) // tpp)
+                if need > pages[r]:
+                    if self._grow(r, "kv", need - pages[r], running, waiting) is None:
+                        continue
+                    pages[r] = need
+                filled[r] += c
+                budget -= c
+                prefill += c
             # As vLLM's scheduler: running requests first; no new prefill in a step that
             # had to preempt (admitting then would only thrash).
-            while waiting and self.preemptions == preempted_before:
+            while waiting and self.preemptions == preempted_before and budget > 0:
                 r = waiting[0]
                 cap = self.max_prefill_tokens
                 if cap and prefill and prefill + int(prompt[r]) + gen[r] > cap:
                     break  # the step's prefill token budget is spent (one prompt always fits)
-                need = max(1, -(-(int(prompt[r]) + gen[r]) // tpp))
+                whole = int(prompt[r]) + gen[r]
+                first = int(min(budget, whole))
+                need = max(1, -(-first // tpp))
                 try:
                     self._alloc(r, "state", 1)
                     self._alloc(r, "kv", need)
@@ -340,7 +377,9 @@ class Sim:
                 waiting.popleft()
                 running.append(r)
                 pages[r] = need
-                prefill += int(prompt[r]) + gen[r]
+                filled[r], target[r] = first, whole
+                budget -= first
+                prefill += first
             if mm.migrated_bytes != moved0:
                 mm.arena.buffer.block_until_ready()
             host_s += time.perf_counter() - wall0
@@ -354,6 +393,8 @@ class Sim:
                 lay.state_slot_bytes
                 + (int(prompt[r]) + gen[r]) * lay.kv_bytes_per_token
                 + scratch_bytes
+                if filled[r] == target[r]
+                else lay.state_slot_bytes + filled[r] * lay.kv_bytes_per_token
                 for r in running
             )
             util_area += step * min(1.0, needed / mm.arena.nbytes)
@@ -441,25 +482,12 @@ def run_cell(cell: Cell, preset: dict, seed: int) -> dict:
     }
     for policy in POLICIES:
         out["policies"][policy] = Sim(
-            layout, budget, policy, cell, spec["cost"], preset.get("max_prefill_tokens")
+            layout, budget, policy, cell, spec["cost"], preset.get("max_prefill_tokens"),
+            preset.get("chunked_prefill"),
         ).run(req)
     rng = np.random.default_rng(seed)
-    lat = {
-        p: np.array([np.nan if x is None else x for x in m["latency_s"]])
-        for p, m in out["policies"].items()
-    }
-    # A rejected request (it could not run even alone under that policy) never gets an answer.
-    # Comparing only the requests both policies completed would reward rejecting the big
-    # ones (less queueing for the rest), so the primary comparison censors a rejected
-    # request's latency at the cell's horizon (the latest makespan of any policy), the same
-    # horizon for every policy: a lower bound on what the rejection cost its user. Requests
-    # no policy completed are left out. The completed-by-both comparison is kept as well.
-    horizon = max(m["makespan_s"] for m in out["policies"].values())
-    served = ~np.all(np.isnan(np.stack(list(lat.values()))), axis=0)
-    censored = {
-        p: np.where(np.isnan(x), horizon - req["arrival"], x)[served] for p, x in lat.items()
-    }
-    out["horizon_s"] = horizon
+    lat, censored = _latencies(out, req["arrival"])
+    out["horizon_s"] = max(m["makespan_s"] for m in out["policies"].values())
 
     def verdict_of(ci):
         if ci is None:
@@ -477,6 +505,86 @@ def run_cell(cell: Cell, preset: dict, seed: int) -> dict:
                 "verdict": verdict_of(ci),
             }
     return out
+
+
+def _latencies(out: dict, arrival: np.ndarray) -> tuple[dict, dict]:
+    """Per-policy request latencies of a :func:`run_cell` result (NaN: not completed), and the
+    same censored for the primary comparison (below)."""
+    lat = {
+        p: np.array([np.nan if x is None else x for x in m["latency_s"]])
+        for p, m in out["policies"].items()
+    }
+    # A rejected request (it could not run even alone under that policy) never gets an answer.
+    # Comparing only the requests both policies completed would reward rejecting the big
+    # ones (less queueing for the rest), so the primary comparison censors a rejected
+    # request's latency at the cell's horizon (the latest makespan of any policy), the same
+    # horizon for every policy: a lower bound on what the rejection cost its user. Requests
+    # no policy completed are left out. The completed-by-both comparison is kept as well.
+    horizon = max(m["makespan_s"] for m in out["policies"].values())
+    served = ~np.all(np.isnan(np.stack(list(lat.values()))), axis=0)
+    censored = {
+        p: np.where(np.isnan(x), horizon - arrival, x)[served] for p, x in lat.items()
+    }
+    return lat, censored
+
+
+SWEEP_SEED_STRIDE = 1000  # seed k of a cell: its study seed (grid index) + k * this
+
+
+def seed_sweep(cells: list[Cell], preset: dict, seeds: int, base_seed: int = 0) -> dict:
+    """Re-run named cells of the full grid at ``seeds`` seeds each: seed 0 is the study's own
+    (``base_seed`` + the cell's index in the grid), seed k adds ``k * SWEEP_SEED_STRIDE``.
+    Per baseline: the per-seed verdicts of the study's test, and one paired bootstrap over
+    the censored latencies of every seed's requests together (is a per-seed verdict a
+    property of the cell's configuration, or of one draw of its requests?), and the
+    geometric-mean throughput ratio over seeds."""
+    grid = [c.name for c in PRESETS["full"]["cells"]]
+    out = {}
+    for cell in cells:
+        spec = CONFIGS[cell.config]
+        runs, diffs = [], {b: ([], []) for b in POLICIES[1:]}
+        for k in range(seeds):
+            seed = base_seed + grid.index(cell.name) + k * SWEEP_SEED_STRIDE
+            r = run_cell(cell, preset, seed)
+            arrival = make_requests(cell, preset["requests"], seed, spec["cost"][0])["arrival"]
+            _, censored = _latencies(r, arrival)
+            for b in POLICIES[1:]:
+                diffs[b][0].append(censored["avmp"])
+                diffs[b][1].append(censored[b])
+            runs.append({
+                "seed": seed,
+                "verdicts": {b: r["ci_latency_s"][b]["verdict"] for b in POLICIES[1:]},
+                "mean_gain_s": {b: r["ci_latency_s"][b]["mean_gain"] for b in POLICIES[1:]},
+                "requests_per_s": {p: m["requests_per_s"] for p, m in r["policies"].items()},
+            })  # fmt: skip
+        rng = np.random.default_rng(base_seed)
+        per_base = {}
+        for b in POLICIES[1:]:
+            ci = paired_bootstrap(np.concatenate(diffs[b][0]), np.concatenate(diffs[b][1]), rng)
+            verdicts = [x["verdicts"][b] for x in runs]
+            ratios = [x["requests_per_s"]["avmp"] / x["requests_per_s"][b] for x in runs]
+            per_base[b] = {
+                "seeds_better": verdicts.count("avmp better"),
+                "seeds_tie": verdicts.count("tie"),
+                "seeds_worse": verdicts.count("avmp worse"),
+                "seeds_mean_gain_negative": sum(x["mean_gain_s"][b] < 0 for x in runs),
+                "pooled_mean_gain_s": ci[0], "pooled_lo": ci[1], "pooled_hi": ci[2],
+                "throughput_ratio_geomean": float(np.exp(np.mean(np.log(ratios)))),
+            }  # fmt: skip
+        out[cell.name] = {"seeds": runs, "vs": per_base}
+    return out
+
+
+def print_sweep(sweep: dict, seeds: int) -> None:
+    print(f"| cell | vs | seeds better / tie / worse (of {seeds}) | seeds with mean gain < 0 "
+          "| pooled mean latency gain s [95% CI] | throughput ratio (geomean) |")
+    print("|---|---|---|---|---|---|")
+    for name, res in sweep.items():
+        for b, v in res["vs"].items():
+            print(f"| {name} | {b} | {v['seeds_better']} / {v['seeds_tie']} / "
+                  f"{v['seeds_worse']} | {v['seeds_mean_gain_negative']} | "
+                  f"{v['pooled_mean_gain_s']:+.3f} [{v['pooled_lo']:+.3f}, "
+                  f"{v['pooled_hi']:+.3f}] | {v['throughput_ratio_geomean']:.3f} |")
 
 
 def summarise(results: list[dict], seed: int) -> dict:
@@ -771,6 +879,21 @@ def main(argv: list[str] | None = None) -> dict:
         help="prompt tokens a step may admit (vLLM's max_num_batched_tokens, SGLang's "
              "max_prefill_tokens; one prompt always fits); default: no limit",
     )  # fmt: skip
+    ap.add_argument(
+        "--chunked-prefill", type=int, default=None, metavar="N",
+        help="tokens a step may process, prompts split into chunks (vLLM V1's "
+             "max_num_batched_tokens with chunked prefill, 8192 on H100/H200-class GPUs; "
+             "SGLang's chunked_prefill_size): decoding requests' verified nodes first, then "
+             "prefill chunks; KV pages are allocated chunk by chunk. Default: off (every "
+             "prompt is prefilled in its admission step)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--cell", action="append", metavar="NAME",
+        help="re-run this full-grid cell (e.g. qwen3.5-397b/shift/short/bursty/loose/stash; "
+             "repeatable) at --seeds seeds instead of the preset: per-seed verdicts and one "
+             "paired bootstrap over all seeds' requests",
+    )  # fmt: skip
+    ap.add_argument("--seeds", type=int, default=10, help="seeds per --cell (default 10)")
     ap.add_argument("--workers", type=int, default=1, help="processes (spawned) for the cells")
     ap.add_argument(
         "--bitcast",
@@ -778,6 +901,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="only measure the bitcast-view read cost (bitcast_cost) and exit",
     )
     args = ap.parse_args(argv)
+    for name in ("max_prefill_tokens", "chunked_prefill", "requests", "limit", "workers",
+                 "seeds"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')} must be a positive int, got {v}")
+    if args.max_prefill_tokens and args.chunked_prefill:
+        ap.error("--max-prefill-tokens and --chunked-prefill are two scheduler models: "
+                 "pass one of them")
     if args.bitcast:
         res = bitcast_cost()
         print(json.dumps(res, indent=1))
@@ -790,7 +921,30 @@ def main(argv: list[str] | None = None) -> dict:
         preset["requests"] = args.requests
     if args.max_prefill_tokens:
         preset["max_prefill_tokens"] = args.max_prefill_tokens
+    if args.chunked_prefill:
+        preset["chunked_prefill"] = args.chunked_prefill
     cells = preset.pop("cells")[: args.limit]
+    if args.cell:
+        grid = {c.name: c for c in PRESETS["full"]["cells"]}
+        unknown = [n for n in args.cell if n not in grid]
+        if unknown:
+            ap.error(f"--cell: not a cell of the full grid: {', '.join(unknown)} (names are "
+                     "config/prompt/output/arrival/budget/spec, e.g. "
+                     f"{PRESETS['full']['cells'][0].name})")
+        full = {k: v for k, v in PRESETS["full"].items() if k != "cells"}  # --preset aside
+        for key in ("max_prefill_tokens", "chunked_prefill", "requests"):
+            if getattr(args, key):
+                full[key] = getattr(args, key)
+        t0 = time.perf_counter()
+        sweep = seed_sweep([grid[n] for n in args.cell], full, args.seeds, args.seed)
+        print_sweep(sweep, args.seeds)
+        print(f"\n{len(args.cell)} cell(s) x {args.seeds} seeds in {time.perf_counter() - t0:.1f}s")
+        report = {"cells": args.cell, "seeds": args.seeds, "seed": args.seed,
+                  "preset_params": full, "policy_args": POLICY_ARGS, "sweep": sweep}  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return report
     t0 = time.perf_counter()
     results: list[dict | None] = [None] * len(cells)
     jobs = [(i, c, preset, args.seed) for i, c in enumerate(cells)]

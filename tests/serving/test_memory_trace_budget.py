@@ -1,19 +1,29 @@
 """The memory study's scheduler model with a per-step prefill token budget
 (``benchmarks.memory_trace --max-prefill-tokens``): every request still completes, and a budget
 below every prompt (one admission per step) changes a batch arrival's schedule, and stretches
-it where memory did not already limit admission."""
+it where memory did not already limit admission. With chunked prefill
+(``--chunked-prefill``): a budget no prompt reaches is the unchunked model exactly, a small
+one allocates KV pages chunk by chunk and still completes every request, and bad values
+raise."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from benchmarks import memory_trace as mt
+from serving.memory import layout_for
+
+_CELL = mt.Cell("tiny", "short", "short", "batch", "loose", "stash")
 
 
-def _run(cap):
-    preset = dict(mt.PRESETS["smoke"], requests=12)
+def _run(cap, chunk=None, cell=_CELL, requests=12):
+    preset = dict(mt.PRESETS["smoke"], requests=requests)
     preset.pop("cells")
     if cap:
         preset["max_prefill_tokens"] = cap
-    cell = mt.Cell("tiny", "short", "short", "batch", "loose", "stash")
+    if chunk:
+        preset["chunked_prefill"] = chunk
     return mt.run_cell(cell, preset, seed=3)["policies"]
 
 
@@ -30,3 +40,74 @@ def test_prefill_budget_admits_one_prompt_per_step():
         assert b["makespan_s"] != a["makespan_s"]
         if policy != "static_dual":
             assert b["makespan_s"] > a["makespan_s"]
+
+
+_SAME = ("completed", "rejected", "makespan_s", "preemptions", "oom_events",
+         "admission_stalls", "peak_concurrency", "mem_utilisation", "migrations",
+         "migrated_bytes", "compactions", "latency_s")  # fmt: skip
+
+
+@pytest.mark.parametrize("cell", [_CELL, mt.Cell("tiny", "shift", "mixed", "bursty", "tight",
+                                                  "snapshot")])
+def test_chunk_above_every_step_is_the_unchunked_model(cell):
+    whole, chunked = _run(None, cell=cell, requests=16), _run(10**9, cell=cell, requests=16)
+    for policy in mt.POLICIES:
+        assert {k: whole[policy][k] for k in _SAME} == {k: chunked[policy][k] for k in _SAME}
+
+
+def test_small_chunks_allocate_kv_chunk_by_chunk():
+    preset = dict(mt.PRESETS["smoke"], requests=12)
+    spec = mt.CONFIGS[_CELL.config]
+    layout = layout_for(spec["config"], preset["page_size"], num_layers=4,
+                        spec_nodes=preset["spec_nodes"])  # fmt: skip
+    req = mt.make_requests(_CELL, preset["requests"], 3, spec["cost"][0])
+    budget = preset["budgets"][_CELL.budget] * layout.state_slot_bytes
+    chunk = 64 + 4 * layout.spec_nodes  # 64 prompt tokens next to four decoding requests
+    assert max(req["prompt"]) > 4 * chunk  # long prompts take several chunks
+    for policy in mt.POLICIES:
+        runs = {}
+        for c in (None, chunk):
+            sim = mt.Sim(layout, budget, policy, _CELL, spec["cost"], chunked_prefill=c)
+            runs[c] = (sim.run(req), np.asarray(sim.lat_n))
+        tpp = sim.mm.tokens_per_page  # unified_padded's page is enlarged
+        (whole, n_whole), (part, n_part) = runs[None], runs[chunk]
+        assert part["completed"] == whole["completed"] == 12
+        # a whole prompt's pages in one call without chunks; at most one chunk's (+1 for a
+        # chunk that straddles a page boundary) with them
+        assert n_whole.max() >= -(-int(max(req["prompt"])) // tpp)
+        assert n_part.max() <= -(-chunk // tpp) + 1
+        # the same prompts, spread over more (shorter) steps
+        assert part["makespan_s"] != whole["makespan_s"]
+
+
+def test_chunked_prefill_bad_values_raise():
+    spec = mt.CONFIGS["tiny"]
+    layout = layout_for(spec["config"], 32, num_layers=4, spec_nodes=8)
+    budget = 12 * layout.state_slot_bytes
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        mt.Sim(layout, budget, "avmp", _CELL, spec["cost"], chunked_prefill=0)
+    with pytest.raises(ValueError, match="pass one of them"):
+        mt.Sim(layout, budget, "avmp", _CELL, spec["cost"], max_prefill_tokens=2048,
+               chunked_prefill=2048)  # fmt: skip
+    for argv in (["--chunked-prefill", "0"],
+                 ["--chunked-prefill", "64", "--max-prefill-tokens", "64"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            mt.main(argv)
+
+
+def test_seed_sweep_starts_at_the_study_seed():
+    """``--cell NAME --seeds K``: seed 0 is the full study's own draw of that cell (its grid
+    index), later seeds differ, and the pooled interval brackets the pooled mean."""
+    preset = {k: v for k, v in mt.PRESETS["full"].items() if k != "cells"}
+    preset["requests"] = 12
+    cell = mt.Cell("tiny", "shift", "short", "bursty", "tight", "stash")
+    index = mt.PRESETS["full"]["cells"].index(cell)
+    sweep = mt.seed_sweep([cell], preset, seeds=2)[cell.name]
+    study = mt.run_cell(cell, preset, seed=index)
+    assert [r["seed"] for r in sweep["seeds"]] == [index, index + mt.SWEEP_SEED_STRIDE]
+    assert sweep["seeds"][0]["verdicts"] == {
+        b: study["ci_latency_s"][b]["verdict"] for b in mt.POLICIES[1:]}
+    assert sweep["seeds"][0]["requests_per_s"] != sweep["seeds"][1]["requests_per_s"]
+    for v in sweep["vs"].values():
+        assert v["seeds_better"] + v["seeds_tie"] + v["seeds_worse"] == 2
+        assert v["pooled_lo"] <= v["pooled_mean_gain_s"] <= v["pooled_hi"]
