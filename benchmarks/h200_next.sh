@@ -1,31 +1,33 @@
 #!/usr/bin/env bash
-# H200 steps, `carry: [".whl"]`, one per call:
-#   bash benchmarks/h200_next.sh a   # engine kernel tests, then the serving bench on XLA
-#   bash benchmarks/h200_next.sh b   # the serving bench on the arena kernels, B = 1 verify spread
+# H200 steps, `carry: [".whl"]` (fla-core wheels, only where a step needs them), one per call:
+#   bash benchmarks/h200_next.sh a   # engine kernel tests + arena-draft tests (~390 s on the H200)
+#   bash benchmarks/h200_next.sh b   # the serving bench on XLA, then on the arena kernels
+#   bash benchmarks/h200_next.sh g   # B = 1 verify spread (five runs of one config)
 #   bash benchmarks/h200_next.sh c   # the arena prefill kernel against XLA windows + chunked rule
 #   bash benchmarks/h200_next.sh d   # the serving bench at real dims (Qwen3.5-35B cut to 8 layers)
 #   bash benchmarks/h200_next.sh e   # real dims, f32: where tree WY's tokens leave plain's
 #   bash benchmarks/h200_next.sh f   # real dims, f32: e's differing row (3) by dense greedy,
 #                                    # with router margins and float-noise sensitivity
-# Next session (after session 7): a. It runs tests/serving/test_arena_draft.py (new in session 7:
-# the draft model's cache in the target's arena units) on the GPU with the engine tests, then
-# the serving bench, whose draft_model rows now run the draft from the arena. c, e and f were
-# done in session 7 (benchmarks/README.md, "Session 7").
+# Session 8 ran a and b (benchmarks/results/h200_session8/, benchmarks/README.md "Session 8"):
+# a's tests took 387 s there (the arena-draft tests compile four engines each), so a no longer
+# shares its call with a bench. c, e and f were done in session 7.
 # d takes DTYPE (bfloat16), KERNELS (auto) and LIMIT (330 s); f32 needs LIMIT=500.
 # Session 4 found that the bench compiles for ~35-70 s per engine on the GPU (four engines, no
-# persistent cache on a fresh machine), so each bench gets most of a call.
+# persistent cache on a fresh machine); session 8: 230-270 s per bench, so b holds two.
 set -u
 source "$(dirname "$0")/h200_lib.sh"
 case "${1:-a}" in
 a)
-  TAILN=8 step 200 engine python3 -m pytest -q -p no:cacheprovider tests/serving/test_arena_kernels_engine.py \
-    tests/serving/test_arena_draft.py \
+  TAILN=15 step 560 engine python3 -m pytest -q -p no:cacheprovider --durations=8 \
+    tests/serving/test_arena_kernels_engine.py tests/serving/test_arena_draft.py \
     tests/pallas_kernels/test_arena_attention.py tests/pallas_kernels/test_arena_decode.py \
     $(ls tests/pallas_kernels/test_arena_prefill.py 2>/dev/null)
-  TAILN=10 step 400 bench_xla python3 -m serving bench --kernels xla --compile-cache "" --json "$OUT/bench_xla.json"
   ;;
 b)
-  TAILN=10 step 400 bench_auto python3 -m serving bench --kernels auto --compile-cache "" --json "$OUT/bench_auto.json"
+  TAILN=8 step 280 bench_xla python3 -m serving bench --kernels xla --compile-cache "" --json "$OUT/bench_xla.json"
+  TAILN=8 step 300 bench_auto python3 -m serving bench --kernels auto --compile-cache "" --json "$OUT/bench_auto.json"
+  ;;
+g)
   # B = 1 timings were bimodal across runs (18-20 us or 44-66 us): the same config five times
   TAILN=12 step 150 b1 python3 benchmarks/kernels.py --ops verify --reps 10 --no-snapshot --no-xla \
     --verify-blocks precision=bf16x3 --configs "64:1:64;64:1:64;64:1:64;32:1:64;32:1:64" --json "$OUT/b1.json"

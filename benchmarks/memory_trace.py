@@ -2,6 +2,8 @@
 
     python -m benchmarks.memory_trace --preset smoke          # < 1 min on CPU
     python -m benchmarks.memory_trace --preset full --json out.json --png out.png
+    python -m benchmarks.memory_trace --preset full --chunked-prefill 8192 --workers 2
+    python -m benchmarks.memory_trace --cell qwen3.5-397b/shift/short/bursty/loose/stash --seeds 20
 
 What runs: the real :class:`serving.memory.MemoryManager` (one device arena, real on-device
 copies when it compacts) under a scheduler model. Each step every running request allocates
@@ -14,6 +16,16 @@ growth each still fit (head-of-line: it stops at the first that does not). On an
 failure the newest running request is preempted and later recomputed (vLLM's recompute
 policy); a request that cannot run even alone (its state, prompt pages and one step's scratch)
 is rejected. All policies see the same requests (paired), at the same byte budget.
+
+Prefill: by default an admitted prompt is prefilled whole in its admission step.
+``--max-prefill-tokens N`` caps the prompt tokens a step admits (whole prompts, one always
+fits). ``--chunked-prefill N`` is vLLM V1's and SGLang's default instead: a step processes at
+most ``N`` tokens, the decoding requests' verified nodes first, then the prefilling requests'
+next chunks, then new admissions' first chunks; KV pages are allocated chunk by chunk (so a
+chunk that does not fit preempts like any growth), and admission reserves the pages of every
+prompt's chunks still to come. With ``N`` above every step's tokens this is exactly the default
+model. ``--cell NAME --seeds K`` re-runs single cells of the full grid on K request draws
+(``seed_sweep``): is a cell's verdict a property of its configuration or of one draw?
 
 What is modelled, not run: no model executes. A step lasts ``base + prefill_tokens * c_prefill
 + verified_nodes * c_node`` simulated seconds (constants in ``CONFIGS``, H200-order guesses;
@@ -360,11 +372,16 @@ class Sim:
                 # One joint dry run (scratch first, as a step allocates it), so a free segment
                 # is not counted for both kinds. Alone, a request only needs room for its own
                 # scratch; without it, it cannot run even alone and is rejected at once.
+                # With chunked prefill the pages of every prompt's chunks still to come count
+                # too (SGLang's admission counts whole prompts, though it allocates by chunk),
+                # alone or not: without them it would be admitted only to be preempted.
                 ahead = [*running, r]
                 grow = sum(min(int(output[j]) - gen[j], RESERVE_TOKENS) for j in ahead)
                 needs = [(scratch_kind, scratch_n * len(ahead))]
-                if running:
-                    needs.append(("kv", max(1, -(-grow // tpp))))
+                rest = -(-whole // tpp) - need + sum(
+                    -(-target[j] // tpp) - pages[j] for j in running if filled[j] < target[j])
+                if running or rest:
+                    needs.append(("kv", rest + (max(1, -(-grow // tpp)) if running else 0)))
                 if not mm.fits_all(needs):
                     mm.free(r)
                     if not running:
