@@ -94,7 +94,7 @@ class ModelDrafter:
             parents[:, 0] = -1
             for i, tb in enumerate(builders):
                 tokens[i], parents[i] = tb.arrays(self.num_nodes)
-            logits = self.runner.verify(slots, table, lengths, tokens, parents)[0]
+            logits = self.runner.tree_logits(slots, table, lengths, tokens, parents)
             logits = np.asarray(logits)
             for i, (tb, nodes) in enumerate(zip(builders, fronts, strict=True)):
                 for node in nodes:

@@ -104,11 +104,14 @@ def _programs(graphdef):
         cache = _rows(pool, slots, table, lengths)
         return _store(pool, slots, steps.commit(cache, tree, path, path_len))
 
+    def tree_logits(state, pool, slots, table, lengths, tokens, parents):
+        return verify(state, pool, slots, table, lengths, tokens, parents, snapshot=False)[0]
+
     prefill_j = jax.jit(prefill, donate_argnums=1)
     decode_j = jax.jit(decode, donate_argnums=1)
     verify_j = jax.jit(verify, static_argnames="snapshot")
     commit_j = jax.jit(commit, donate_argnums=0)
-    return prefill_j, decode_j, verify_j, commit_j
+    return prefill_j, decode_j, verify_j, commit_j, jax.jit(tree_logits)
 
 
 class ModelRunner:
@@ -141,12 +144,14 @@ class ModelRunner:
             dtype=dtype,
         )
         graphdef, self._state = nnx.split(model)
-        self._prefill, self._decode, self._verify, self._commit = _programs(graphdef)
+        (self._prefill, self._decode, self._verify, self._commit,
+         self._tree_logits) = _programs(graphdef)  # fmt: skip
 
     def compiled(self) -> int:
         """Programs compiled so far by this runner's step functions."""
         return sum(
-            f._cache_size() for f in (self._prefill, self._decode, self._verify, self._commit)
+            f._cache_size()
+            for f in (self._prefill, self._decode, self._verify, self._commit, self._tree_logits)
         )
 
     def prefill(self, slots, table, lengths, tokens, num_tokens):
@@ -168,6 +173,11 @@ class ModelRunner:
         return self._verify(
             self._state, self.pool, slots, table, lengths, tokens, parents, snapshot=snapshot
         )
+
+    def tree_logits(self, slots, table, lengths, tokens, parents):
+        """``logits [B, N, V]`` of :meth:`verify` alone, for drafting: one program that returns
+        nothing else, so no tree state, hidden state or argmax is written out."""
+        return self._tree_logits(self._state, self.pool, slots, table, lengths, tokens, parents)
 
     def commit(self, slots, table, lengths, tree, path, path_len):
         """Accepts ``path[b, :path_len[b]]`` of the verified tree (either verify method)."""
@@ -223,6 +233,10 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
             tree = cache.read_tree_state(tree, path, path_len, qk_l2norm=_TREE_QK_L2NORM)
         return steps.commit(cache, tree, path, path_len).buffer
 
+    def tree_logits(state, buf, table, handles, pages, lengths, tokens, parents):
+        return verify(state, buf, table, handles, pages, lengths, tokens, parents,
+                      snapshot=False)[0]  # fmt: skip
+
     prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels))
     if kernels.decode:
         decode = _arena_decode_program(graphdef, spec, kernels)
@@ -234,6 +248,7 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
         jax.jit(verify, donate_argnums=1, static_argnames="snapshot"),
         jax.jit(commit, donate_argnums=0),
         jax.jit(verify, static_argnames="snapshot"),  # transient: no scratch, arena only read
+        jax.jit(tree_logits),  # drafting: logits alone, arena only read
     )
 
 
@@ -337,7 +352,7 @@ class ArenaRunner:
 
     ``draft=True``: the runner of a draft model whose cache shares the target's units (the
     ``draft_*`` fields of ``manager.layout.draft``), addressed by the target's own handles;
-    it drafts with :meth:`verify` without scratch (the arena only read) and catches up with
+    it drafts with :meth:`tree_logits` (the arena only read) and catches up with
     :meth:`prefill`.
     """
 
@@ -361,6 +376,7 @@ class ArenaRunner:
             self._verify,
             self._commit,
             self._verify_transient,
+            self._tree_logits,
         ) = _arena_programs(graphdef, self.spec, self.kernel_choice)
         self._table = None
         self.table_uploads = 0
@@ -374,6 +390,7 @@ class ArenaRunner:
                 self._verify,
                 self._commit,
                 self._verify_transient,
+                self._tree_logits,
             )
         )
 
@@ -439,6 +456,13 @@ class ArenaRunner:
             scratch, snapshot=snapshot,
         )  # fmt: skip
         return logits, am, hidden, scratch
+
+    def tree_logits(self, handles, pages, lengths, tokens, parents):
+        """``logits [B, N, V]`` of :meth:`verify` (tree WY) alone, the arena only read: how a
+        draft model drafts (one program that returns nothing else, so no transient tree
+        state, hidden state or argmax is written out)."""
+        return self._tree_logits(
+            self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents)
 
     def commit(self, handles, pages, lengths, tree, path, path_len):
         """Accepts ``path[b, :path_len[b]]``: ``tree`` is what :meth:`verify` returned (the

@@ -354,3 +354,24 @@ def test_verify_returns_no_tree_state_and_kernels_stay_wired(verify, llms):
             assert names(verify_p).count("gdn_tree_verify_arena") == sp.gdn_layers
     for rid in rows:
         mm.free(rid)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_tree_logits_is_verify_logits_arena_only_read(kernels, llms):
+    """How a draft model drafts (``ArenaRunner.tree_logits``): the transient verify's logits,
+    from a program that returns nothing else, and the arena unchanged (not donated)."""
+    llm = llms["wy", kernels]
+    mm, runner = llm.manager, llm.runner
+    rows, (handles, pages, lens), tokens, parents, *_ = _batch(llm, "wy", seed=7)
+    try:
+        before = np.asarray(mm.arena.buffer).copy()
+        want = np.asarray(runner.verify(handles, pages, lens, tokens, parents)[0])
+        got = runner.tree_logits(handles, pages, lens, tokens, parents)
+        assert isinstance(got, jax.Array) and got.dtype == np.float32
+        assert got.shape == want.shape == (4, SPECS["wy"].num_nodes, VOCAB)
+        np.testing.assert_allclose(np.asarray(got)[:2], want[:2], rtol=1e-5, atol=1e-5)
+        assert not mm.arena.buffer.is_deleted()
+        np.testing.assert_array_equal(np.asarray(mm.arena.buffer), before)
+    finally:
+        for rid in rows:
+            mm.free(rid)
