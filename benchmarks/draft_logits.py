@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> dict:
     b, n, mp = args.batch, spec.num_nodes, llm.scheduler.pages_per_seq
     rows = (np.zeros(b, np.int32), np.zeros((b, mp), np.int32), np.zeros(b, np.int32))
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (b, n), np.int32)
-    parents, level = [-1], [0]  # the full (4, 2, 2) tree, level by level
+    parents, frontier = [-1], [0]  # the full (4, 2, 2) tree, level by level
     for width in spec.tree:
-        level = [len(parents) + i for i in range(len(level) * width)]
-        parents += [p for p in range(len(parents) - len(level) // width, len(parents))
-                    for _ in range(width)]  # fmt: skip
+        start = len(parents)
+        parents += [p for p in frontier for _ in range(width)]
+        frontier = list(range(start, len(parents)))
     assert len(parents) == n
     parents = np.tile(np.array(parents, np.int32), (b, 1))
     progs = {

@@ -942,6 +942,8 @@ def main(argv: list[str] | None = None) -> dict:
         preset["chunked_prefill"] = args.chunked_prefill
     cells = preset.pop("cells")[: args.limit]
     if args.cell:
+        if args.png or args.limit:
+            ap.error("--png and --limit apply to a preset run, not to --cell")
         grid = {c.name: c for c in PRESETS["full"]["cells"]}
         unknown = [n for n in args.cell if n not in grid]
         if unknown:
