@@ -1,4 +1,4 @@
-"""Replay recorded allocator call sequences of the slowest study cells (issue 5, alloc p99).
+"""Replay recorded allocator call sequences of the slowest study cells (alloc p99).
 
     python -m benchmarks.alloc_replay                          # record + replay, table
     python -m benchmarks.alloc_replay --replays 10 --json out.json
@@ -33,12 +33,20 @@ import types
 
 import numpy as np
 
-from benchmarks import memory_trace as mt
+from benchmarks.memory_trace.scheduler import Sim
+from benchmarks.memory_trace.workload import (
+    CONFIGS,
+    POLICIES,
+    POLICY_ARGS,
+    PRESETS,
+    Cell,
+    make_requests,
+)
 from serving.memory import AllocationTooLargeError, MemoryManager, OutOfMemoryError, layout_for
 
 # The AVMP cells with the highest per-cell alloc p99 of the full study
-# (benchmarks/results/memory_trace.json): tiny-model snapshot cells (8-slot allocations that
-# acquire one-slot segments) and long-prompt Qwen cells (multi-segment KV allocations).
+# (benchmarks/results/memory_trace/default.json): tiny-model snapshot cells (8-slot allocations
+# that acquire one-slot segments) and long-prompt Qwen cells (multi-segment KV allocations).
 DEFAULT_CELLS = (
     "tiny/shift/short/batch/tight/snapshot",
     "tiny/short/short/batch/tight/snapshot",
@@ -52,18 +60,30 @@ DEFAULT_CELLS = (
 _ERRORS = (OutOfMemoryError, AllocationTooLargeError)
 
 
-_BASELINE_MODULES = ("pools", "policies", "manager")  # in import order
+# The manager's modules, in import order (a revision without some of them skips those).
+_BASELINE_MODULES = (
+    "pools",
+    "segments",
+    "policies",
+    "handles",
+    "migration",
+    "allocator",
+    "manager",
+)
 
 
 def load_baseline(path: str) -> type:
     """The ``MemoryManager`` class of another revision: ``path`` holds copies of its
-    ``serving/memory/{pools,policies,manager}.py``. They are loaded under a private package
-    name (their imports of each other rewritten to it); layout, arena and errors are shared
-    with the current tree, so both raise the same exceptions."""
+    ``serving/memory/{pools,segments,policies,handles,migration,allocator,manager}.py`` (those
+    it has). They are loaded under a private package name (their imports of each other
+    rewritten to it); layout, arena and errors are shared with the current tree, so both raise
+    the same exceptions."""
     pkg = types.ModuleType("_baseline_memory")
     pkg.__path__ = []
     sys.modules[pkg.__name__] = pkg
     for name in _BASELINE_MODULES:
+        if not os.path.exists(os.path.join(path, f"{name}.py")):
+            continue
         with open(os.path.join(path, f"{name}.py")) as f:
             src = f.read()
         for other in _BASELINE_MODULES:
@@ -77,13 +97,13 @@ def load_baseline(path: str) -> type:
 
 
 def _full_index() -> dict[str, int]:
-    return {c.name: i for i, c in enumerate(mt.PRESETS["full"]["cells"])}
+    return {c.name: i for i, c in enumerate(PRESETS["full"]["cells"])}
 
 
 def _setup(name: str, policy: str):
-    cell = mt.Cell(*name.split("/"))
-    preset = mt.PRESETS["full"]
-    spec = mt.CONFIGS[cell.config]
+    cell = Cell(*name.split("/"))
+    preset = PRESETS["full"]
+    spec = CONFIGS[cell.config]
     layout = layout_for(
         spec["config"], preset["page_size"], num_layers=4, spec_nodes=preset["spec_nodes"]
     )
@@ -150,8 +170,8 @@ def record(name: str, policy: str = "avmp") -> dict:
     """Run one cell of the study for ``policy``, recording the manager calls."""
     cell, preset, spec, layout, budget = _setup(name, policy)
     seed = _full_index()[name]
-    req = mt.make_requests(cell, preset["requests"], seed, spec["cost"][0])
-    sim = mt.Sim(layout, budget, policy, cell, spec["cost"])
+    req = make_requests(cell, preset["requests"], seed, spec["cost"][0])
+    sim = Sim(layout, budget, policy, cell, spec["cost"])
     rec = sim.mm = _Recorder(sim.mm)
     metrics = sim.run(req)
     mm = rec._mm
@@ -181,7 +201,7 @@ def replay(
     """One replay on a fresh manager of class ``cls``: (ns per alloc call, n per alloc call).
     Raises AssertionError on the first result that differs from the recording."""
     _, _, _, layout, budget = _setup(trace["cell"], trace["policy"])
-    mm = cls(layout, budget, trace["policy"], **mt.POLICY_ARGS.get(trace["policy"], {}))
+    mm = cls(layout, budget, trace["policy"], **POLICY_ARGS.get(trace["policy"], {}))
     mm.arena.buffer.block_until_ready()  # the arena's zero fill must not overlap the timing
     clock = time.perf_counter_ns
     alloc, free, fits_all, fits = mm.alloc, mm.free, mm.fits_all, mm.fits
@@ -247,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="CELL",
         help="full-preset cell names (config/prompt/output/arrival/budget/spec)",
     )
-    ap.add_argument("--policy", default="avmp", choices=mt.POLICIES)
+    ap.add_argument("--policy", default="avmp", choices=POLICIES)
     ap.add_argument(
         "--replays",
         type=int,
@@ -265,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--baseline",
         metavar="DIR",
         help="also replay the MemoryManager of another revision, interleaved with the current "
-        "one: DIR holds its serving/memory/{pools,policies,manager}.py",
+        "one: DIR holds its serving/memory/{pools,policies,manager}.py and, where it has them, "
+        "{segments,handles,migration,allocator}.py",
     )
     ap.add_argument("--no-check", action="store_true", help="do not compare results")
     ap.add_argument("--json", metavar="PATH", help="write the table rows here")

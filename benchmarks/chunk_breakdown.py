@@ -1,4 +1,4 @@
-"""Per-kernel times of the three-kernel chunked prefill (``pallas_kernels/chunk_v2``) on one GPU.
+"""Per-kernel times of the three-kernel chunked prefill (``pallas_kernels/chunk``) on one GPU.
 
 Times kernel 1 (``intra``: in-chunk solve), kernel 2 (``state``: sequential pass over chunks) and
 kernel 3 (``out``) separately, each as its own jitted ``pallas_call`` fed with the previous
@@ -45,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.kernels import chunk_inputs, parse_blocks, timed  # noqa: E402
-from pallas_kernels import chunk_v2 as cv2  # noqa: E402
+from pallas_kernels.chunk import kernel as cv2  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 KERNELS = ("intra", "state", "out")
@@ -278,7 +278,7 @@ def main(argv=None):
     )
     p.add_argument(
         "--blocks", action="append", default=[],
-        help="ChunkV2Blocks fields, e.g. 'h_bf16=true,store_t=true' ('' = defaults); repeatable",
+        help="ChunkBlocks fields, e.g. 'h_bf16=true,store_t=true' ('' = defaults); repeatable",
     )  # fmt: skip
     p.add_argument("--hv", type=int, default=32, help="value heads")
     p.add_argument("--hk", type=int, default=16, help="key heads")
@@ -314,7 +314,7 @@ def main(argv=None):
             args.hv = 16
         args.reps, args.iters, args.sets = 1, 1, 1
     specs = args.blocks or ["h_bf16=true"]
-    blocks = parse_blocks(specs, cv2.ChunkV2Blocks)
+    blocks = parse_blocks(specs, cv2.ChunkBlocks)
     dev = jax.devices()[0]
     print(f"# device {dev.device_kind}; jax {jax.__version__}; floor: {args.bw / 1e12:.2f} TB/s, "
           f"{args.mm / 1e12:.0f} TFLOP/s (bf16)", flush=True)  # fmt: skip

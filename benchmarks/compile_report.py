@@ -1,7 +1,7 @@
 """The compiler's report for Pallas kernels without a GPU: registers, spills and shared memory
 on sm_90 (H200), per blocks spec: the tree-verify kernel (``VerifyBlocks``, the default) or,
 with ``--kernel chunk_v2``, each of the three kernels of the chunked prefill
-(``ChunkV2Blocks``; intra, state, out).
+(``ChunkBlocks``; intra, state, out).
 
 Lowers the kernel with jax for compute capability 9.0 on the CPU (the Pallas Triton lowering
 only asks for the GPU's compute capability), then compiles the Triton IR with a separately
@@ -82,16 +82,16 @@ def _force_h200():
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h200
 
 
-def lower_chunk_v2(spec: str, b: int, t: int, hv: int) -> tuple[pk.ChunkV2Blocks, list]:
+def lower_chunk_v2(spec: str, b: int, t: int, hv: int) -> tuple[pk.ChunkBlocks, list]:
     """``(blocks, [(kernel name, Triton IR text, warps, stages)])`` of the three chunk_v2 kernels
     lowered for sm_90 on this machine (bf16 q/k/v, Hk 16, K = V = 128, chunk 64, l2norm)."""
-    bl = parse_blocks([spec], pk.ChunkV2Blocks)[0]
+    bl = parse_blocks([spec], pk.ChunkBlocks)[0]
     s = jax.ShapeDtypeStruct
     bf, f32 = jnp.bfloat16, jnp.float32
     args = (s((b, t, 16, 128), bf), s((b, t, 16, 128), bf), s((b, t, hv, 128), bf),
             s((b, t, hv), f32), s((b, t, hv), f32), s((b, hv, 128, 128), f32))  # fmt: skip
     captured = _lower_capturing(
-        lambda *a: pk.chunk_gated_delta_rule_v2(*a, use_qk_l2norm=True, blocks=bl), args)
+        lambda *a: pk.chunk_gated_delta_rule(*a, use_qk_l2norm=True, blocks=bl), args)
     knobs = {"intra": (bl.warps_intra, 1), "state": (bl.warps_state, bl.stages_state),
              "out": (bl.warps_out, 1)}  # fmt: skip
     out = []
@@ -136,7 +136,7 @@ def compile_report(ttir: str, num_warps: int, num_stages: int) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("specs", nargs="*", default=[""],
-                   help="VerifyBlocks / ChunkV2Blocks specs ('' = defaults)")  # fmt: skip
+                   help="VerifyBlocks / ChunkBlocks specs ('' = defaults)")  # fmt: skip
     p.add_argument("--kernel", choices=("verify", "chunk_v2"), default="verify")
     p.add_argument("--tokens", type=int, default=256, help="chunk_v2: T (tokens per sequence)")
     p.add_argument("--json", default="", help="also write the rows here")
@@ -169,7 +169,7 @@ def main_chunk_v2(args):
     sys.path.insert(0, args.triton_path)
     rows = []
     print(
-        "| ChunkV2Blocks | kernel | warps | stages | registers | spill st/ld (B) | shared KiB "
+        "| ChunkBlocks | kernel | warps | stages | registers | spill st/ld (B) | shared KiB "
         "| blocks/SM | wgmma | mma.sync | compile s |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for spec, (_, kernels) in zip(args.specs, lowered, strict=True):

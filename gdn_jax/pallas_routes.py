@@ -5,16 +5,14 @@ The kernels apply the q/k l2norm and scale themselves (the same formula as
 :func:`gdn_jax._prep.prepare_qk`), so raw q/k go straight in without an extra pass over HBM. On a
 CPU backend the kernels run in interpret mode, so ``impl="pallas"`` works (slowly) everywhere.
 
-Registered: ``tree_verify``, ``tree_commit`` and ``chunk_gated_delta_rule`` (the three-kernel
-prefill, :func:`pallas_kernels.chunk_gated_delta_rule_v2`). ``"auto"`` takes them on GPU where
-the H200 measurements show them faster than XLA (benchmarks/README.md): verify/commit for trees
-of at most :data:`AUTO_MAX_NODES` = 64 nodes (the commit only from :data:`AUTO_COMMIT_MIN_ROWS`
-= 1024 rows of B x Hv) (at N = 128 the verify kernel runs, but no faster
-than XLA) with power-of-2 head dims; bf16 inputs run the verify's 3-pass dots as bf16x3, f32 inputs as tf32x3
-(the "refine" kernel: one-pass dots elsewhere, iterative refinement of U; U within 2.5e-7 of
-the XLA path on the H200). The chunked prefill for power-of-2 head dims and chunks of 16-64
-tokens (561 us against XLA's 3.77 ms and fla's 750 us at B 1, T 4096, Hv 32; slower than fla
-at larger shapes, still far faster than XLA).
+Registered: ``tree_verify`` (:func:`pallas_kernels.tree_verify`, the "refine" kernel: one-pass
+dots, an approximate inverse and iterative refinement of ``U``; its 3-pass dots run as bf16x3
+for bf16 inputs on a GPU, tf32x3 otherwise), ``tree_commit`` and ``chunk_gated_delta_rule``
+(the three-kernel prefill). ``"auto"`` takes them on a GPU where they were measured faster than
+the XLA path (benchmarks/README.md, ``python -m benchmarks.kernels``): verify for trees of at most
+:data:`AUTO_MAX_NODES` nodes with power-of-two head dims (at 128 nodes the kernel runs but is no
+faster than XLA); commit likewise and only from :data:`AUTO_COMMIT_MIN_ROWS` rows of ``B * Hv``;
+the chunked prefill for power-of-two head dims and chunks of 16 to 64 tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +25,9 @@ from gdn_jax.dispatch import AUTO_PALLAS, PALLAS_OPS
 from gdn_jax.tree_wy import TreeCache
 
 AUTO_MAX_NODES = 64
+# store_t: the intra kernel stores T diag(beta) instead of W and U (1.26x / 1.22x faster on the
+# H200 at B 8, T 4096 / B 1, T 16384; benchmarks/README.md).
+CHUNK_BLOCKS = pallas_kernels.ChunkBlocks(store_t=True)
 
 
 def _interpret() -> bool:
@@ -85,12 +86,10 @@ def chunk_gated_delta_rule(
     cu_seqlens,
 ):  # fmt: skip
     """``(o, final state)`` of the chunked prefill (see :func:`gdn_jax.chunk_gated_delta_rule`)."""
-    # store_t: the intra kernel stores T diag(beta) instead of W and U (1.26x / 1.22x faster
-    # on the H200 at B 8 T 4096 / B 1 T 16384, measured with h_bf16; benchmarks/README.md).
-    return pallas_kernels.chunk_gated_delta_rule_v2(
+    return pallas_kernels.chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
         output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-        blocks=pallas_kernels.ChunkV2Blocks(store_t=True), interpret=_interpret(),
+        blocks=CHUNK_BLOCKS, interpret=_interpret(),
     )  # fmt: skip
 
 
@@ -102,8 +101,8 @@ def _fits_chunk_kernel(q, k, v, chunk_size) -> bool:
 PALLAS_OPS.update(
     tree_verify=tree_verify, tree_commit=tree_commit, chunk_gated_delta_rule=chunk_gated_delta_rule
 )
-# The commit kernel is slower than XLA at N = 128 and at small B x Hv (H200, session 3: 12.5 vs
-# 5.9 us at B 1 / Hv 64, level at B 16 / Hv 32, 67.8 vs 92.8 us at B 64 / Hv 32).
+# The commit kernel is slower than XLA at N = 128 and at small B x Hv (H200: 12.5 against 5.9 us
+# at B 1, Hv 64; level at B 16, Hv 32; 67.8 against 92.8 us at B 64, Hv 32).
 AUTO_COMMIT_MIN_ROWS = 1024  # B * Hv
 
 

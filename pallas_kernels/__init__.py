@@ -1,23 +1,35 @@
-"""Pallas GPU kernels (Triton lowering) for the gated delta rule: tree WY verify and commit,
-chunked prefill, and the per-node snapshot verify baseline. Imports jax only (DESIGN.md section 5).
+"""Pallas kernels for the gated delta rule and the hybrid model's attention, one folder per op.
 
-Each op lives in its own module with a frozen dataclass of static tuning knobs, a kernel body that
-takes refs, and a thin wrapper that builds the grid and takes ``interpret=`` so CPU CI runs it.
+- :mod:`pallas_kernels.verify`: tree WY verify of a draft tree (``kernel.py``), the same verify
+  reading its initial states in place from the serving memory arena (``arena.py``), and the
+  per-node snapshot verify baseline (``snapshot.py``);
+- :mod:`pallas_kernels.commit`: commit of an accepted chain, dense (``kernel.py``) or in place
+  on the arena (``arena.py``);
+- :mod:`pallas_kernels.chunk`: the chunked prefill (three kernels);
+- :mod:`pallas_kernels.decode`: token-by-token steps on arena states (decode, short prefill);
+- :mod:`pallas_kernels.attention`: paged tree attention (``kernel.py``) and tree / causal paged
+  attention reading KV pages in place from the arena (``arena.py``);
+- :mod:`pallas_kernels.experimental`: variants that were measured and are not routed.
+
+Each op folder holds a plain-JAX ``reference.py`` the kernels are tested against. Static tuning
+knobs live in frozen dataclasses (``VerifyBlocks``, ``CommitBlocks``, ``ChunkBlocks``, ...); a
+thin wrapper builds the grid and takes ``interpret=`` so the kernels run on CPU too. The GPU
+kernels use the Pallas Triton lowering. This package imports jax only, never ``gdn_jax``.
 """
 
-from pallas_kernels.chunk import GPU_MAX_CHUNK, ChunkBlocks, chunk_gated_delta_rule
-from pallas_kernels.snapshot_verify import SnapshotBlocks, snapshot_verify
-from pallas_kernels.tree_commit import CommitBlocks, tree_commit
-from pallas_kernels.tree_verify import (
+from pallas_kernels.chunk import ChunkBlocks, chunk_gated_delta_rule
+from pallas_kernels.commit import CommitBlocks, tree_commit
+from pallas_kernels.verify import (
     GPU_MAX_NODES_X3,
     MAX_NODES,
+    SnapshotBlocks,
     VerifyBlocks,
     ancestor_mask,
+    snapshot_verify,
     tree_verify,
 )
 
 __all__ = [
-    "GPU_MAX_CHUNK",
     "GPU_MAX_NODES_X3",
     "MAX_NODES",
     "ChunkBlocks",
@@ -30,19 +42,3 @@ __all__ = [
     "tree_commit",
     "tree_verify",
 ]
-
-# The three-kernel chunked prefill (intra-chunk solve, state recurrence, outputs; chunk 64).
-from pallas_kernels.chunk_v2 import ChunkV2Blocks  # noqa: E402
-from pallas_kernels.chunk_v2 import chunk_gated_delta_rule as chunk_gated_delta_rule_v2  # noqa: E402
-
-__all__ += ["ChunkV2Blocks", "chunk_gated_delta_rule_v2"]
-
-# One decode token on GDN states read from / written into the serving memory arena in place.
-from pallas_kernels.arena_decode import recurrent_step as arena_recurrent_step  # noqa: E402
-
-__all__ += ["arena_recurrent_step"]
-
-# The tree verify in two kernels (per-head N x N matrices, then the value columns): an experiment.
-from pallas_kernels.tree_verify_split import SplitVerifyBlocks, tree_verify_split  # noqa: E402
-
-__all__ += ["SplitVerifyBlocks", "tree_verify_split"]

@@ -1,4 +1,4 @@
-"""The arena variants of the tree kernels (pallas_kernels.arena, interpret mode): states read and
+"""The arena variants of the tree kernels (pallas_kernels.verify.arena, pallas_kernels.commit.arena; interpret mode): states read and
 written through a handle table inside a uint32 arena give the same results as the dense kernels,
 bit for bit, and no other arena word changes."""
 
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from pallas_kernels import arena as pa
+from pallas_kernels.commit import arena as commit_arena
+from pallas_kernels.verify import arena as verify_arena
 
 HK, HV, K, V = 1, 2, 16, 32
 SEGMENTS, WORDS, OFFSET = 5, 4096, 100
@@ -50,7 +51,7 @@ def test_arena_verify_and_commit_match_dense(dtype):
     tree, arena, table, handles, dense = _setup(0, dtype)
     q, k, v, g, beta, parents = tree
     kw = dict(use_qk_l2norm=True, interpret=True)
-    o, u, gp = pa.tree_verify(
+    o, u, gp = verify_arena.tree_verify(
         *tree, jnp.asarray(arena), jnp.asarray(table), jnp.asarray(handles), state_offset=OFFSET,
         **kw)  # fmt: skip
     od, ud, gd = pk.tree_verify(*tree, jnp.asarray(dense), **kw)
@@ -60,7 +61,7 @@ def test_arena_verify_and_commit_match_dense(dtype):
 
     path = jnp.asarray([[0, 1], [0, 0], [0, 2]], jnp.int32)
     path_len = jnp.asarray([2, 1, 1], jnp.int32)
-    new = np.asarray(pa.tree_commit(
+    new = np.asarray(commit_arena.tree_commit(
         jnp.asarray(arena), jnp.asarray(table), jnp.asarray(handles), k, u, gp, path, path_len,
         state_offset=OFFSET, **kw))  # fmt: skip
     want = np.asarray(pk.tree_commit(jnp.asarray(dense), k, ud, gd, path, path_len, **kw))
@@ -79,15 +80,15 @@ def test_arena_bad_inputs_raise():
     tree, arena, table, handles, _ = _setup(1, np.float32)
     a, t, h = jnp.asarray(arena), jnp.asarray(table), jnp.asarray(handles)
     with pytest.raises(ValueError, match="arena:"):
-        pa.tree_verify(*tree, a.astype(jnp.int32), t, h, state_offset=OFFSET, interpret=True)
+        verify_arena.tree_verify(*tree, a.astype(jnp.int32), t, h, state_offset=OFFSET, interpret=True)
     with pytest.raises(ValueError, match="table:"):
-        pa.tree_verify(*tree, a, t[:, :1], h, state_offset=OFFSET, interpret=True)
+        verify_arena.tree_verify(*tree, a, t[:, :1], h, state_offset=OFFSET, interpret=True)
     with pytest.raises(ValueError, match="handles:"):
-        pa.tree_verify(*tree, a, t, h[:2], state_offset=OFFSET, interpret=True)
+        verify_arena.tree_verify(*tree, a, t, h[:2], state_offset=OFFSET, interpret=True)
     with pytest.raises(ValueError, match="state_offset:"):
-        pa.tree_verify(*tree, a, t, h, state_offset=WORDS - 10, interpret=True)
+        verify_arena.tree_verify(*tree, a, t, h, state_offset=WORDS - 10, interpret=True)
     with pytest.raises(ValueError, match="blocks:"):
-        pa.tree_verify(*tree, a, t, h, state_offset=OFFSET, interpret=True,
+        verify_arena.tree_verify(*tree, a, t, h, state_offset=OFFSET, interpret=True,
                        blocks=pk.VerifyBlocks(mode="x3"))  # fmt: skip
 
 
@@ -127,14 +128,14 @@ def test_arena_verify_commit_random_placements(b, n, offset, seed):
     tree = (q, k, v, g, beta, parents)
     addr = (jnp.asarray(arena), jnp.asarray(table, jnp.int32), jnp.asarray(handles))
     kw = dict(use_qk_l2norm=True, interpret=True)
-    o, u, gp = pa.tree_verify(*tree, *addr, state_offset=offset, **kw)
+    o, u, gp = verify_arena.tree_verify(*tree, *addr, state_offset=offset, **kw)
     od, ud, gd = pk.tree_verify(*tree, jnp.asarray(dense), **kw)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(od))
     np.testing.assert_array_equal(np.asarray(u), np.asarray(ud))
     # node 1's parent is always node 0, so [0, 1] is a root path; commit 0, 1 or 2 of it
     path = jnp.asarray(np.tile([0, 1], (b, 1)), jnp.int32)
     path_len = jnp.asarray(rng.integers(0, 3, b), jnp.int32)
-    new = np.asarray(pa.tree_commit(*addr, k, u, gp, path, path_len, state_offset=offset, **kw))
+    new = np.asarray(commit_arena.tree_commit(*addr, k, u, gp, path, path_len, state_offset=offset, **kw))
     want = np.asarray(pk.tree_commit(jnp.asarray(dense), k, ud, gd, path, path_len, **kw))
     untouched = np.ones(arena.shape, bool)
     for row, h in enumerate(handles):

@@ -1,5 +1,5 @@
 """Paged attention reading K/V pages inside a uint32 arena through the handle table
-(pallas_kernels.arena_attention, interpret mode): the tree verify's against the dense-pages
+(pallas_kernels.attention.arena, interpret mode): the tree verify's against the dense-pages
 kernel; decode's / prefill's (no draft tokens, causal) against a float64 reference and the
 XLA path (``ArenaCache.attention``'s gather of the pages)."""
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.arena_attention import paged_attention
-from pallas_kernels.arena_attention import tree_attention as arena_attention
-from pallas_kernels.tree_attention import tree_attention as dense_attention
+from pallas_kernels.attention.arena import paged_attention
+from pallas_kernels.attention.arena import tree_attention as arena_attention
+from pallas_kernels.attention.kernel import tree_attention as dense_attention
 from serving.memory.model_cache import XLA_KERNELS, ArenaCache, ArenaKernels, ArenaSpec
 
 B, N, HQ, HKV, D, S, LAYERS, LAYER, OFFSET = 2, 5, 4, 2, 16, 16, 2, 1, 10

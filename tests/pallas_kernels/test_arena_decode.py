@@ -1,4 +1,4 @@
-"""The arena decode kernel (pallas_kernels.arena_decode.recurrent_step, interpret mode): one token
+"""The arena decode kernel (pallas_kernels.decode.arena.recurrent_step, interpret mode): one token
 of the gated delta rule on states read from, and written back in place into, a uint32 arena
 through a handle table equals gdn_jax.recurrent_gated_delta_rule (one step and several in a
 row) and a float64 numpy reference; no other arena word changes; padding rows are never
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gdn_jax import recurrent_gated_delta_rule
-from pallas_kernels.arena_decode import recurrent_step
+from pallas_kernels.decode.arena import recurrent_step
 
 K, V = 16, 32
 SEGMENTS, WORDS, OFFSET = 5, 4096, 100

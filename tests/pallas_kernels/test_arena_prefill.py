@@ -1,4 +1,4 @@
-"""The arena prefill kernel (pallas_kernels.arena_prefill.recurrent_prefill, interpret mode): T
+"""The arena prefill kernel (pallas_kernels.decode.arena.recurrent_prefill, interpret mode): T
 tokens of the gated delta rule per row, ragged num_tokens (0 and T included), the initial
 states read from, and the final states written back in place into, a uint32 arena through a
 handle table, equal a float64 numpy sequential reference and gdn_jax.recurrent_gated_delta_rule;
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gdn_jax import recurrent_gated_delta_rule
-from pallas_kernels.arena_prefill import recurrent_prefill
+from pallas_kernels.decode.arena import recurrent_prefill
 from tests.pallas_kernels import test_arena_decode as decode_tests
 
 K, V = 16, 32

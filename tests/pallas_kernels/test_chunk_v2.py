@@ -1,4 +1,4 @@
-"""Interpret-mode tests of the three-kernel chunked prefill (``pallas_kernels.chunk_v2``) against
+"""Interpret-mode tests of the three-kernel chunked prefill (``pallas_kernels.chunk.kernel``) against
 the gdn_jax XLA chunked path and the XLA token recurrence, on random (never zero) inputs.
 
 Shapes are small (interpret mode runs every grid point op by op on the CPU): Hk 2, Hv 4,
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from gdn_jax import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from pallas_kernels.chunk_v2 import ChunkV2Blocks, chunk_plan
-from pallas_kernels.chunk_v2 import chunk_gated_delta_rule as chunk_v2
+from pallas_kernels.chunk.kernel import ChunkBlocks, chunk_plan
+from pallas_kernels.chunk.kernel import chunk_gated_delta_rule as chunk_v2
 from tests.gdn_jax.reference import rel_err
 from tests.gdn_jax.strategies import make_inputs
 
@@ -30,23 +30,23 @@ def _inputs(b, t, dk, dv, n_seq, dtype, seed):
     return cast(q), cast(k), cast(v), jnp.asarray(g), jnp.asarray(beta), jnp.asarray(s0)
 
 
-_ALL_BF16 = ChunkV2Blocks(store_t=True, u_bf16=True, h_bf16=True)
-_FUSE_T = ChunkV2Blocks(fuse_out=True, store_t=True, block_v_state=16, block_k=16)
+_ALL_BF16 = ChunkBlocks(store_t=True, u_bf16=True, h_bf16=True)
+_FUSE_T = ChunkBlocks(fuse_out=True, store_t=True, block_v_state=16, block_k=16)
 CASES = [
     # (dtype, l2norm, chunk, B, cu_seqlens or T, K, V, blocks)
-    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkV2Blocks(block_v_state=16)),
-    (jnp.bfloat16, False, 32, 2, 45, 32, 16, ChunkV2Blocks(exact_bf16_inputs=False)),
-    (np.float32, False, 64, 1, (0, 100, 131), 32, 32, ChunkV2Blocks(block_v_out=16, block_k=16)),
-    (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, ChunkV2Blocks(sub=32, h_bf16=True)),
+    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkBlocks(block_v_state=16)),
+    (jnp.bfloat16, False, 32, 2, 45, 32, 16, ChunkBlocks(exact_bf16_inputs=False)),
+    (np.float32, False, 64, 1, (0, 100, 131), 32, 32, ChunkBlocks(block_v_out=16, block_k=16)),
+    (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, ChunkBlocks(sub=32, h_bf16=True)),
     # store_t (kernel 1 stores T diag(beta), kernel 2 applies it) and u_bf16
-    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkV2Blocks(store_t=True)),
-    (jnp.bfloat16, False, 32, 2, 45, 32, 16, ChunkV2Blocks(store_t=True, block_v_state=16)),
+    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkBlocks(store_t=True)),
+    (jnp.bfloat16, False, 32, 2, 45, 32, 16, ChunkBlocks(store_t=True, block_v_state=16)),
     (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, _ALL_BF16),
-    (np.float32, False, 64, 1, (0, 100, 131), 32, 32, ChunkV2Blocks(u_bf16=True, block_v_out=16)),
+    (np.float32, False, 64, 1, (0, 100, 131), 32, 32, ChunkBlocks(u_bf16=True, block_v_out=16)),
     # fuse_out (kernel 2 writes the outputs), alone and with store_t
-    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkV2Blocks(fuse_out=True)),
+    (np.float32, True, 16, 1, (0, 5, 5, 70, 150), 16, 32, ChunkBlocks(fuse_out=True)),
     (np.float32, False, 32, 2, 45, 32, 16, _FUSE_T),
-    (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, ChunkV2Blocks(fuse_out=True, sub=32)),
+    (jnp.bfloat16, True, 64, 1, (0, 64, 140), 16, 16, ChunkBlocks(fuse_out=True, sub=32)),
 ]
 
 
@@ -140,7 +140,7 @@ def test_chunk_v2_bad_inputs_raise():
     with pytest.raises(ValueError, match="v: value heads Hv=3 must be a multiple"):
         chunk_v2(jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 2, 16)), jnp.ones((1, 8, 3, 16)),
                  -jnp.ones((1, 8, 3)), -jnp.ones((1, 8, 3)), interpret=True)  # fmt: skip
-    with pytest.raises(ValueError, match="q: the chunk_v2 kernels accept"):
+    with pytest.raises(ValueError, match="q: the chunk kernels accept"):
         chunk_v2(x.astype(jnp.int32), x, v, g, g, interpret=True)
     with pytest.raises(ValueError, match="initial_state: expected shape"):
         chunk_v2(x, x, v, g, g, jnp.zeros((2, 2, 16, 16)), interpret=True)
@@ -150,6 +150,6 @@ def test_chunk_v2_bad_inputs_raise():
         chunk_v2(*(jnp.concatenate([a, a]) for a in (x, x, v, g, g)),
                  cu_seqlens=jnp.asarray([0, 8]), interpret=True)  # fmt: skip
     with pytest.raises(ValueError, match="blocks.precision"):
-        chunk_v2(x, x, v, g, g, blocks=ChunkV2Blocks(precision="fp8"), interpret=True)
+        chunk_v2(x, x, v, g, g, blocks=ChunkBlocks(precision="fp8"), interpret=True)
     with pytest.raises(ValueError, match="blocks.sub"):
-        chunk_v2(x, x, v, g, g, blocks=ChunkV2Blocks(sub=8), interpret=True)
+        chunk_v2(x, x, v, g, g, blocks=ChunkBlocks(sub=8), interpret=True)

@@ -225,8 +225,6 @@ def test_gpu_limits_raise_before_lowering():
     with pytest.raises(ValueError, match="x3-mode .* at most 64 nodes"):
         pk.tree_verify(q, q, v, g, g, par, jnp.zeros((1, 1, 16, 16)),
                        blocks=pk.VerifyBlocks(mode="x3"))  # fmt: skip
-    with pytest.raises(ValueError, match=r"chunk_size: .*\[16, 32\]"):
-        pk.chunk_gated_delta_rule(q, q, v, g, g, chunk_size=64)
 
 
 @pytest.mark.parametrize("final", [True, False])

@@ -9,7 +9,7 @@ import pytest
 
 from gdn_jax import ancestor_closure
 from gdn_jax.models.tree_attention import paged_attention
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.attention.kernel import tree_attention
 
 
 def rel_err(a, b) -> float:

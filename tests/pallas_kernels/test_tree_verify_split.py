@@ -1,4 +1,4 @@
-"""Interpret-mode tests of the two-kernel tree verify (pallas_kernels/tree_verify_split.py)
+"""Interpret-mode tests of the two-kernel tree verify (pallas_kernels/experimental/verify_split.py)
 against float64 numpy (M, P2, U, O built from their formulas, and the per-path recurrence), the
 fused Pallas verify and the XLA path. Tiny shapes: interpret mode is slow on the CPU."""
 
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import pallas_kernels as pk
 from gdn_jax import tree_verify as gdn_tree_verify
-from pallas_kernels.tree_verify_split import tree_verify_apply, tree_verify_matrices
+from pallas_kernels.experimental import verify_split as split
+from pallas_kernels.experimental.verify_split import tree_verify_apply, tree_verify_matrices
 from tests.gdn_jax.reference import prep64, rel_err, tree64, tree_paths
 from tests.gdn_jax.strategies import TREE_KINDS, make_tree
 from tests.pallas_kernels.test_kernels import FIXED_TREE, TOL, _inputs
@@ -52,9 +53,9 @@ def wy64(q, k, v, g, beta, parents, s0, *, use_qk_l2norm):
 
 def _run(inputs, parents, blocks=None, ancestors=None, l2=True):
     q, k, v, g, beta, s0 = inputs
-    return pk.tree_verify_split(
+    return split.tree_verify_split(
         q, k, v, g, beta, jnp.asarray(parents), s0, use_qk_l2norm=l2, interpret=True,
-        blocks=blocks or pk.SplitVerifyBlocks(), ancestors=ancestors,
+        blocks=blocks or split.SplitVerifyBlocks(), ancestors=ancestors,
     )  # fmt: skip
 
 
@@ -116,7 +117,7 @@ def test_matrices_match_float64(dtype):
 )
 def test_split_fixed_tree(dtype, hk, hv, dk, dv, block_v, ancestors):
     """Forest with padding + chain vs float64, the fused kernel and XLA (f32 and bf16)."""
-    bl = pk.SplitVerifyBlocks(block_v=block_v, ancestors_input=ancestors is not None)
+    bl = split.SplitVerifyBlocks(block_v=block_v, ancestors_input=ancestors is not None)
     anc = pk.ancestor_mask(jnp.asarray(FIXED_TREE)) if ancestors == "mask" else None
     _check(FIXED_TREE, hk, hv, dk, dv, dtype, blocks=bl, ancestors=anc, xla=True)
 
@@ -132,7 +133,7 @@ def test_split_fixed_tree(dtype, hk, hv, dk, dv, block_v, ancestors):
 def test_split_random_trees(kind, n, heads, dtype, seed):
     rng = np.random.default_rng(seed)
     parents = np.stack([make_tree(kind, n, rng), make_tree("random", n, rng)])
-    _check(parents, *heads, dtype, blocks=pk.SplitVerifyBlocks(block_v=16), seed=seed % 1000,
+    _check(parents, *heads, dtype, blocks=split.SplitVerifyBlocks(block_v=16), seed=seed % 1000,
            decay="mixed", fused=False)  # fmt: skip
 
 
@@ -146,8 +147,8 @@ def test_refinement_and_wrong_m_fail():
     _, _, u64, o64 = wy64(*inputs[:5], FIXED_TREE, s0, use_qk_l2norm=True)
     err = lambda o, u: (rel_err(np.asarray(o)[real], o64[real]),
                         rel_err(np.asarray(u)[real], u64[real]))  # fmt: skip
-    bl0 = pk.SplitVerifyBlocks(refine_steps=0)
-    bl1 = pk.SplitVerifyBlocks(refine_steps=1)
+    bl0 = split.SplitVerifyBlocks(refine_steps=0)
+    bl1 = split.SplitVerifyBlocks(refine_steps=1)
     mats0 = tree_verify_matrices(q, k, v, g, beta, par, use_qk_l2norm=True, blocks=bl0,
                                  interpret=True)  # fmt: skip
     mats1 = tree_verify_matrices(q, k, v, g, beta, par, use_qk_l2norm=True, blocks=bl1,
@@ -170,7 +171,7 @@ def test_errors():
     g = jnp.zeros((1, 129, 1))
     s0 = jnp.zeros((1, 1, 16, 16))
     par = jnp.arange(129, dtype=jnp.int32)[None] - 1
-    run = lambda *a, **kw: pk.tree_verify_split(*a, interpret=True, **kw)
+    run = lambda *a, **kw: split.tree_verify_split(*a, interpret=True, **kw)
     with pytest.raises(ValueError, match="at most 128 nodes"):
         run(q, q, v, g, g, par, s0)
     q8, v8, g8, p8 = q[:, :8], v[:, :8], g[:, :8], par[:, :8]
@@ -189,13 +190,13 @@ def test_errors():
         run(q8, q8, v8, g8, g8, p8, s0, ancestors=mask)
     with pytest.raises(ValueError, match="ancestors: shape"):
         run(q8, q8, v8, g8, g8, p8, s0, ancestors=mask[:, :5],
-            blocks=pk.SplitVerifyBlocks(ancestors_input=True))  # fmt: skip
+            blocks=split.SplitVerifyBlocks(ancestors_input=True))  # fmt: skip
     with pytest.raises(ValueError, match="blocks: a SplitVerifyBlocks"):
         run(q8, q8, v8, g8, g8, p8, s0, blocks=pk.VerifyBlocks())
     for bad in (dict(block_v=24), dict(block_v=8), dict(precision="f64"),
                 dict(inverse_precision="x3"), dict(refine_steps=5)):  # fmt: skip
         with pytest.raises(ValueError, match="blocks."):
-            pk.SplitVerifyBlocks(**bad)
+            split.SplitVerifyBlocks(**bad)
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -216,8 +217,8 @@ def test_lowers_to_triton_for_h200(monkeypatch, dtype, precision):
     inputs = _inputs(FIXED_TREE, 2, 4, 32, 32, dtype)
     par = jnp.asarray(FIXED_TREE)
     for ai in (False, True):
-        bl = pk.SplitVerifyBlocks(precision=precision, ancestors_input=ai, block_v=16)
-        f = lambda *a, bl=bl: pk.tree_verify_split(*a, use_qk_l2norm=True, blocks=bl)
+        bl = split.SplitVerifyBlocks(precision=precision, ancestors_input=ai, block_v=16)
+        f = lambda *a, bl=bl: split.tree_verify_split(*a, use_qk_l2norm=True, blocks=bl)
         text = jax.jit(f).trace(*inputs[:5], par, inputs[5]).lower(
             lowering_platforms=("cuda",)).as_text()  # fmt: skip
         assert text.count("__gpu$xla.gpu.triton") == 2

@@ -59,7 +59,7 @@ from pallas_kernels._wy import (
     pad_axis,
     prepare_tree_launch,
 )
-from pallas_kernels.tree_verify import (
+from pallas_kernels.verify.kernel import (
     BF16,
     MAX_NODES,
     ONE_PASS,

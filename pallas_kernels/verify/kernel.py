@@ -156,7 +156,7 @@ def _rows_scale(x, use_l2norm: bool, scale: float | None):
     return s * jax.lax.rsqrt(jnp.sum(xf * xf, axis=1) + 1e-6)
 
 
-def _refine_kernel(
+def refine_kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, anc_ref, s0_ref, o_ref, u_ref, gp_ref,
     *, scale, use_l2norm, blocks: VerifyBlocks, interpret,
 ):  # fmt: skip
@@ -359,7 +359,7 @@ def tree_verify(
     q, k, v, g, beta, parents = t[:6]
     npad, bv, scale = t.npad, t.bv, t.scale
 
-    body = _refine_kernel if blocks.mode == "refine" else _x3_kernel
+    body = refine_kernel if blocks.mode == "refine" else _x3_kernel
     kernel = functools.partial(
         body, scale=scale, use_l2norm=use_qk_l2norm, blocks=blocks, interpret=interpret)
     tree = tree_input(parents, ancestors, n, blocks.ancestors_input)

@@ -3,7 +3,7 @@ the handle table (issue 5): no gather of the pages into a per-layer buffer.
 
 Two entry points share one kernel body (page loop, word loads, online softmax):
 
-- :func:`tree_attention`: the tree verify, same math as :mod:`pallas_kernels.tree_attention`:
+- :func:`tree_attention`: the tree verify, same math as :mod:`pallas_kernels.attention.kernel`:
   every node sees the committed keys ``j < kv_len``, then its path's draft K/V (``draft_mask``);
 - :func:`paged_attention`: calls without draft tokens (decode, prefill, chunked prefill):
   query ``t`` of row ``b`` at position ``q_pos[b, t]`` sees the committed keys
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.tree_attention import (
+from pallas_kernels.attention.kernel import (
     NEG,
     TreeAttentionBlocks,
     _call_args,
@@ -188,7 +188,7 @@ def tree_attention(
     kv_offset: int, page_size: int, kv_dtype, scale: float,
     blocks: TreeAttentionBlocks = DEFAULT_BLOCKS, interpret: bool = False,
 ):  # fmt: skip
-    """:func:`pallas_kernels.tree_attention` for attention layer ``layer`` with the committed
+    """:func:`pallas_kernels.attention.kernel` for attention layer ``layer`` with the committed
     K/V in the arena. ``q [B, N, Hq, D]``, ``page_handles int [B, MP]`` (``-1`` = unmapped),
     ``kv_len int [B]``, ``draft_k/v [B, N, Hkv, D]``, ``draft_mask bool [B, N, N]``;
     ``kv_dtype`` is the cache dtype in the units (float32 or bfloat16)."""

@@ -35,7 +35,7 @@ from pallas_kernels._wy import (
     pad_axis,
     prep_rows,
 )
-from pallas_kernels.tree_verify import MAX_NODES
+from pallas_kernels.verify.kernel import MAX_NODES
 
 
 @dataclasses.dataclass(frozen=True)

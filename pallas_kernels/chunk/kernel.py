@@ -1,8 +1,7 @@
 """Chunked prefill of the gated delta rule as three Pallas kernels (chunk 64 on the H200).
 
-The single-kernel prefill (``pallas_kernels.chunk``) runs the whole WY block of every chunk inside
-the sequential loop over chunks. Here only the state recurrence is sequential; the in-chunk solve
-and the outputs run in parallel over (chunk, value head), as in flash-linear-attention's chunk
+Only the state recurrence is sequential; the in-chunk solve and the outputs run in parallel over
+(chunk, value head), as in flash-linear-attention's chunk
 pipeline. Per chunk of ``C`` tokens with in-chunk cumulative log decay ``Gc`` and incoming state
 ``S`` (DESIGN.md section 3, a chain tree)::
 
@@ -19,7 +18,7 @@ nilpotent), off-diagonal blocks by ``T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj``; `
 are then row-block sums of ``T_ij`` times the raw ``K_j``/``V_j`` rows. ``sub = C`` is the plain
 dense product doubling on ``C x C``.
 
-Grids and buffers (``NC`` chunk slots; defaults of :class:`ChunkV2Blocks`)::
+Grids and buffers (``NC`` chunk slots; defaults of :class:`ChunkBlocks`)::
 
     intra (NC, Hv)                    -> W [NC, Hv, C, K], Uv [NC, Hv, C, V], Gc, rk [NC, Hv, C]
     state (S, Hv, V / block_v_state)  -> U [NC, Hv, C, V], h [NC, Hv, K, V], final [S, Hv, K, V]
@@ -29,7 +28,7 @@ All intermediates are f32 (``h`` optionally bf16: ``h_bf16``; ``U`` optionally b
 ``rk`` are the key rows' l2norm scales (ones without the l2norm). Shared memory at chunk 64,
 K = V = 128, bf16 inputs, default blocks (Triton 3.6 for sm_90 on the lowered modules): intra
 12 KiB, state 80.5 KiB (2 pipeline stages), out 24 KiB, against 227 KiB per block
-(``benchmarks/compile_report.py --kernel chunk_v2`` for other blocks).
+(``benchmarks/compile_report.py --kernel chunk`` for other blocks).
 
 ``store_t`` (off by default) moves the right-hand sides out of kernel 1: it stores only
 ``Tb = T diag(beta)`` ``[NC, Hv, C, C]`` (plus ``Gc``, ``rk``), and kernel 2 forms
@@ -49,7 +48,7 @@ chunk are empty and do nothing) and every sequence to its first slot and chunk c
 chunk of a sequence is read under a mask (masked rows have ``k = v = beta = g = 0``: they change
 nothing).
 
-Dots. ``ChunkV2Blocks.precision`` sets every dot between f32 values: ``"tf32x3"`` (3 tf32 tensor
+Dots. ``ChunkBlocks.precision`` sets every dot between f32 values: ``"tf32x3"`` (3 tf32 tensor
 core passes, f32-level accuracy; interpret mode on CPU runs IEEE f32), ``"bf16x3"`` (both
 operands split into bf16 hi + lo, 3 bf16 passes, ~2^-17 relative per operand), ``"highest"``
 (IEEE f32 FMAs, slow), ``"bf16"`` (one bf16 pass, ~3 significant digits, what fla does) or
@@ -87,7 +86,7 @@ MAX_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkV2Blocks:
+class ChunkBlocks:
     """Static knobs of the three-kernel prefill.
 
     ``sub``: diagonal block size of the in-chunk solve (16, 32 or 64; capped at the chunk).
@@ -121,7 +120,7 @@ class ChunkV2Blocks:
     fuse_out: bool = False
 
 
-DEFAULT_V2_BLOCKS = ChunkV2Blocks()
+DEFAULT_CHUNK_BLOCKS = ChunkBlocks()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +475,7 @@ def _out_kernel(
 def _pow2(name: str, size: int, lo: int, hi: int) -> None:
     if size < lo or size > hi or size & (size - 1):
         raise ValueError(
-            f"{name}: the chunk_v2 kernels need a power of two in [{lo}, {hi}], got {size}"
+            f"{name}: the chunk kernels need a power of two in [{lo}, {hi}], got {size}"
         )
 
 
@@ -497,7 +496,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, block
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if jnp.dtype(x.dtype) not in _FLOATS:
             raise ValueError(
-                f"{name}: the chunk_v2 kernels accept float32, bfloat16 or float16, got {x.dtype}"
+                f"{name}: the chunk kernels accept float32, bfloat16 or float16, got {x.dtype}"
             )
     _pow2("K", dk, 16, 256)
     _pow2("V", dv, 16, 256)
@@ -574,7 +573,7 @@ class _Launch:
     use_l2norm: bool
     dots: _Dots
     exact_v: bool
-    blocks: ChunkV2Blocks
+    blocks: ChunkBlocks
     interpret: bool
 
 
@@ -614,7 +613,7 @@ def intra_call(cfg: _Launch, start, length, k, v, g, beta):
         out_shape=[x[2] for x in outs],
         compiler_params=_params(cfg.blocks.warps_intra),
         interpret=cfg.interpret,
-        name="gdn_chunk_v2_intra",
+        name="gdn_chunk_intra",
     )(*(x[1] for x in ins))
     return tuple(out)
 
@@ -667,7 +666,7 @@ def state_call(cfg: _Launch, seq_first, seq_chunks, start, length, q, k, v, inte
         out_shape=[x[2] for x in outs],
         compiler_params=_params(cfg.blocks.warps_state, cfg.blocks.stages_state),
         interpret=cfg.interpret,
-        name="gdn_chunk_v2_state",
+        name="gdn_chunk_state",
     )(*(x[1] for x in ins))
     return tuple(out)
 
@@ -698,7 +697,7 @@ def out_call(cfg: _Launch, start, length, q, k, gc, rk, u, hst, out_dtype):
         out_shape=jax.ShapeDtypeStruct((tp, hv, dv), out_dtype),
         compiler_params=_params(cfg.blocks.warps_out),
         interpret=cfg.interpret,
-        name="gdn_chunk_v2_out",
+        name="gdn_chunk_out",
     )(start, length, q, k, gc, rk, u, hst)
 
 
@@ -763,7 +762,7 @@ def chunk_gated_delta_rule(
     output_final_state: bool = True,
     chunk_size: int = 64,
     cu_seqlens: jax.Array | None = None,
-    blocks: ChunkV2Blocks = DEFAULT_V2_BLOCKS,
+    blocks: ChunkBlocks = DEFAULT_CHUNK_BLOCKS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Chunked gated delta rule in three kernels. ``q, k [B, T, Hk, K]``, ``v [B, T, Hv, V]``,
