@@ -3,7 +3,7 @@
 Pallas entry points are registered by name in :data:`PALLAS_OPS`; the module
 ``gdn_jax.pallas_routes`` (when present) adapts ``pallas_kernels`` to the op signatures and fills
 the table on import. ``"pallas"`` uses a registered kernel or raises (the kernel raises
-``ValueError`` for shapes it cannot take); ``"auto"`` picks Pallas on GPU/TPU only for the ops in
+``ValueError`` for shapes it cannot take); ``"auto"`` picks Pallas on a GPU only for the ops in
 :data:`AUTO_PALLAS` (those measured faster than the XLA path on the H200,
 benchmarks/README.md) and only when that op's predicate accepts the call's arguments, XLA
 otherwise.
@@ -35,10 +35,11 @@ def _load_routes() -> None:
 
 def resolve_impl(impl: str, op: str, *args) -> str:
     """Returns ``"xla"`` or ``"pallas"`` for ``op`` called on ``args`` (for ``"auto"``'s
-    eligibility predicate); raises ``ValueError`` for unknown names."""
+    eligibility predicate); raises ``ValueError`` for unknown names. ``"auto"`` stays on XLA off
+    GPU backends: the registered kernels are GPU (Triton) kernels."""
     if impl not in IMPLS:
         raise ValueError(f"impl: must be one of {IMPLS}, got {impl!r}")
-    if impl == "xla" or (impl == "auto" and jax.default_backend() == "cpu"):
+    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
         return "xla"
     _load_routes()
     if impl == "pallas":

@@ -34,10 +34,14 @@ def _interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def _pow2_dim(x: int) -> bool:
+    """A head dim the GPU kernels take: a power of two in [16, 256]."""
+    return 16 <= x <= 256 and x & (x - 1) == 0
+
+
 def _fits_gpu_kernel(q, k, v) -> bool:
     n, dk, dv = k.shape[1], k.shape[3], v.shape[3]
-    pow2 = lambda x: x >= 16 and x & (x - 1) == 0
-    return n <= AUTO_MAX_NODES and pow2(dk) and pow2(dv)
+    return n <= AUTO_MAX_NODES and _pow2_dim(dk) and _pow2_dim(dv)
 
 
 def verify_blocks_for(q, k, v, interpret: bool) -> pallas_kernels.VerifyBlocks:
@@ -94,8 +98,8 @@ def chunk_gated_delta_rule(
 
 
 def _fits_chunk_kernel(q, k, v, chunk_size) -> bool:
-    pow2 = lambda x: x >= 16 and x & (x - 1) == 0
-    return pow2(k.shape[3]) and pow2(v.shape[3]) and pow2(chunk_size) and chunk_size <= 64
+    dims = _pow2_dim(k.shape[3]) and _pow2_dim(v.shape[3])
+    return dims and chunk_size in (16, 32, 64)
 
 
 PALLAS_OPS.update(
