@@ -1,10 +1,11 @@
 """Placement policies: which pools exist, which segments each may use, how a pool grows.
 
 All four run on the same manager code path (same arena, same handles, same copies); they
-differ only in the decisions below. A policy never mutates state: :meth:`Policy.plan` returns
-the segments a pool should take (unowned ones, or ones another pool must give up after its live
-units are moved out), or ``None`` when no such set exists. The manager checks nothing else and
-executes the plan, so a ``None`` plan is what makes a failed allocation change nothing.
+differ only in the decisions below. A policy never mutates state: :meth:`Policy.plan` reads the
+segment map (segments.py) and returns the segments a pool should take (unowned ones, or ones
+another pool must give up after its live units are moved out), or ``None`` when no such set
+exists. The allocator (allocator.py) checks nothing else and executes the plan, so a ``None``
+plan is what makes a failed allocation change nothing.
 
 - ``avmp``: one segment space shared by the KV, state and stash pools (and a snapshot pool
   when a draft model's fields make state slots bigger than snapshot units). A pool takes unowned
@@ -35,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 from serving.memory.layout import KINDS, POOL_OF_KIND, WORD_BYTES, HybridLayout
 
 if TYPE_CHECKING:
-    from serving.memory.manager import MemoryManager
     from serving.memory.pools import Pool
+    from serving.memory.segments import SegmentMap
 
 
 def _most_empty_first(q: Pool) -> tuple[int, int]:
@@ -72,12 +73,13 @@ class Policy:
     # read + write): the exchange rate between "compact one more pool" and "move more bytes".
     launch_bytes = 10 << 20
 
-    def plan(self, mm: MemoryManager, pool: Pool, need: int) -> list[int] | None:
-        unowned = mm.unowned[pool.group]
+    def plan(self, segmap: SegmentMap, pool: Pool, need: int) -> list[int] | None:
+        """``need`` segments for ``pool`` to take, in the order it fills them, or ``None``."""
+        unowned = segmap.unowned[pool.group]
         if len(unowned) >= need:
             return unowned[:need]
         group = pool.group
-        others = [q for q in mm.pools if q is not pool and q.group == group]
+        others = [q for q in segmap.pools if q is not pool and q.group == group]
         chosen = list(unowned)
         empties = len(chosen)
         for q in others:
@@ -106,11 +108,12 @@ class Policy:
             return None
         for q in sorted(others, key=_most_empty_first):
             chosen += sorted(q.empty)  # all of them: they do not cover the need
-        compacted = self._cheapest_compaction(mm, others, need - len(chosen))
+        compacted = self._cheapest_compaction(segmap, others, need - len(chosen))
         return None if compacted is None else chosen + compacted
 
-    def _cheapest_compaction(self, mm: MemoryManager, others: list[Pool],
-                             count: int) -> list[int] | None:
+    def _cheapest_compaction(
+        self, segmap: SegmentMap, others: list[Pool], count: int
+    ) -> list[int] | None:
         """``count`` busy segments of ``others`` whose evacuation costs least, or ``None``.
 
         Pool ``q`` can give up at most ``owned - empty - min_segments`` busy segments (its
@@ -119,14 +122,17 @@ class Policy:
         pool is one copy kernel). Every subset of victim pools is tried (there are at most three
         other pools), so the choice is the cheapest, and deterministic (ties: fewer pools, then
         lower pool index, then higher segment: the low segments stay packed)."""
-        live = mm.seg_live
+        live = segmap.seg_live
         cands = []
         for q in others:
             extra = len(q.owned) - q.min_segments() - len(q.empty)
             if extra <= 0:
                 continue
-            busy = heapq.nsmallest(min(extra, count), (s for s in q.owned if s not in q.empty),
-                                   key=lambda s: (live[s], -s))
+            busy = heapq.nsmallest(
+                min(extra, count),
+                (s for s in q.owned if s not in q.empty),
+                key=lambda s: (live[s], -s),
+            )
             unit_bytes = q.unit_words * WORD_BYTES
             cands.append([(live[s] * unit_bytes, q.index, -s, s) for s in busy])
         best = None
@@ -155,13 +161,11 @@ class StaticDual(Policy):
 
     def pool_groups(self, pool_names: list[str], num_segments: int) -> tuple[list[int], list[int]]:
         if num_segments < 2:
-            raise ValueError(
-                f"static_dual needs >= 2 segments, the budget gives {num_segments}")
+            raise ValueError(f"static_dual needs >= 2 segments, the budget gives {num_segments}")
         n_state = round(num_segments * self.ratio / (1 + self.ratio))
         n_state = min(max(n_state, 1), num_segments - 1)
         n_kv = num_segments - n_state
-        return ([0 if n == "kv" else 1 for n in pool_names],
-                [0] * n_kv + [1] * n_state)
+        return ([0 if n == "kv" else 1 for n in pool_names], [0] * n_kv + [1] * n_state)
 
 
 class MultiEnded(Policy):
@@ -169,16 +173,16 @@ class MultiEnded(Policy):
 
     name = "multi_ended"
 
-    def plan(self, mm: MemoryManager, pool: Pool, need: int) -> list[int] | None:
-        owner = mm.seg_owner
+    def plan(self, segmap: SegmentMap, pool: Pool, need: int) -> list[int] | None:
+        owner = segmap.seg_owner
         if pool.name == "kv":
             # Everything above the KV prefix, lowest first: the gap, then the state side.
-            order = (s for s in range(mm.num_segments) if owner[s] != pool.index)
+            order = (s for s in range(segmap.num_segments) if owner[s] != pool.index)
         else:
-            siblings = [q for q in mm.pools if q.name != "kv" and q is not pool]
+            siblings = [q for q in segmap.pools if q.name != "kv" and q is not pool]
             empties = sorted(s for q in siblings for s in q.empty)
-            high = {q.index for q in mm.pools if q.name != "kv"}
-            below = (s for s in range(mm.num_segments - 1, -1, -1) if owner[s] not in high)
+            high = {q.index for q in segmap.pools if q.name != "kv"}
+            below = (s for s in range(segmap.num_segments - 1, -1, -1) if owner[s] not in high)
             order = iter(empties + list(below))
         chosen = []
         for s in order:
@@ -188,12 +192,12 @@ class MultiEnded(Policy):
         if len(chosen) < need:
             return None
         # Only boundary segments can move, so check that each victim can absorb its units.
-        for q in mm.pools:
+        for q in segmap.pools:
             mine = [s for s in chosen if owner[s] == q.index and q is not pool]
             if not mine:
                 continue
-            live = sum(mm.seg_live[s] for s in mine)
-            free_inside = sum(q.units_per_segment - mm.seg_live[s] for s in mine)
+            live = sum(segmap.seg_live[s] for s in mine)
+            free_inside = sum(q.units_per_segment - segmap.seg_live[s] for s in mine)
             if q.free_units - free_inside < live:
                 return None
         return chosen
@@ -214,7 +218,8 @@ class UnifiedPadded(Policy):
 
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (Policy, StaticDual, MultiEnded, UnifiedPadded)}
+    p.name: p for p in (Policy, StaticDual, MultiEnded, UnifiedPadded)
+}
 
 
 def make_policy(name: str, **kwargs: Any) -> Policy:

@@ -1,7 +1,7 @@
 """Pinned layouts: multi-unit, multi-segment allocation sequences must place every unit exactly
-where the reference revision did (same handles, segments, words, migrations). The digests were
-recorded before the batched acquire-and-fill path of ``MemoryManager.alloc``; a change of
-layout policy must update them on purpose."""
+where the pinned digests say (same handles, segments, words, migrations), and the allocator's
+batched acquire-and-fill path must leave the same state as its general path. A change of layout
+policy must update the digests on purpose."""
 
 from __future__ import annotations
 
@@ -87,19 +87,21 @@ def test_scripted_run_spans_segments_and_migrates():
     assert allocs[-1][6] > 0 and allocs[-1][7] > 0  # migrations, compactions
 
 
-def _generic_acquire_and_take(self, pool, segs, owner, n):
-    """The unbatched reference: reassign the segments, then take units through the heap."""
-    self._acquire(pool, segs)
-    return self._take_units(pool, owner, n)
+def _generic_acquire_and_take(self, pool, segs, n):
+    """The unbatched reference: hand the segments over, add them to the pool with every unit
+    free, then take the units through the pool's heap."""
+    self.migrator.transfer(pool, segs)
+    self._add_fresh(pool, segs)
+    return self._take_free(pool, n)
 
 
 @pytest.mark.parametrize("policy", sorted(PINNED))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_batched_acquire_matches_the_generic_path(policy, seed, monkeypatch):
-    """``alloc``'s batched acquire-and-fill (and its one-unit form) leaves exactly the host
-    state of ``_acquire`` followed by ``_take_units``: same handles, slots, ranks, free stacks
-    and pool sets after every call."""
-    from serving.memory.manager import MemoryManager
+    """The allocator's batched acquire-and-fill (``Allocator._fill_acquired``) leaves exactly
+    the host state of its general path (``_add_fresh`` then ``_take_free``): same handles,
+    slots, ranks, free stacks and pool sets after every call."""
+    from serving.memory.allocator import Allocator
 
     def run():
         mm = tiny_manager(policy, segments=7, **ARGS.get(policy, {}))
@@ -119,13 +121,22 @@ def test_batched_acquire_matches_the_generic_path(policy, seed, monkeypatch):
                 got = None
             else:
                 continue
+            pools = [(sorted(p.owned), sorted(p.empty), p.live, p.free_units) for p in mm.pools]
             states.append(
-                (got, list(mm._h_slot), list(mm.seg_owner), list(mm.seg_live), list(mm.seg_rank),
-                 [list(f) for f in mm.seg_free], [(sorted(p.owned), sorted(p.empty), p.live,
-                 p.free_units) for p in mm.pools], [list(u) for u in mm.unowned], mm.migrations)
-            )  # fmt: skip
+                (
+                    got,
+                    list(mm._h_slot),
+                    list(mm.seg_owner),
+                    list(mm.seg_live),
+                    list(mm.seg_rank),
+                    [list(f) for f in mm.seg_free],
+                    pools,
+                    [list(u) for u in mm.unowned],
+                    mm.migrations,
+                )
+            )
         return states
 
     batched = run()
-    monkeypatch.setattr(MemoryManager, "_acquire_and_take", _generic_acquire_and_take)
+    monkeypatch.setattr(Allocator, "_acquire_and_take", _generic_acquire_and_take)
     assert run() == batched

@@ -1,4 +1,4 @@
-"""Layout sizes from HF-style configs (DESIGN.md section 6, issue 5)."""
+"""Layout sizes from HF-style configs (DESIGN.md section 6)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,17 @@ from serving.memory import HybridLayout, layer_types, layout_for
 
 # The fields of Qwen/Qwen3.5-35B-A3B's text config that set the cache geometry.
 QWEN35_35B = {
-    "num_hidden_layers": 40, "full_attention_interval": 4, "num_attention_heads": 16,
-    "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "hidden_size": 2048,
 }
 
 
@@ -36,8 +43,18 @@ def test_layer_types_key_wins_and_subset_keeps_the_pattern(tmp_path):
 
 
 def test_fields_are_word_aligned_and_cover_the_unit():
-    lay = HybridLayout(page_size=3, attn_layers=1, kv_heads=1, head_dim=3, gdn_layers=1,
-                       k_heads=1, v_heads=1, key_dim=3, value_dim=2, spec_nodes=1)
+    lay = HybridLayout(
+        page_size=3,
+        attn_layers=1,
+        kv_heads=1,
+        head_dim=3,
+        gdn_layers=1,
+        k_heads=1,
+        v_heads=1,
+        key_dim=3,
+        value_dim=2,
+        spec_nodes=1,
+    )
     for kind in ("kv", "state", "stash"):
         offset = 0
         for f in lay.fields(kind):
@@ -47,10 +64,13 @@ def test_fields_are_word_aligned_and_cover_the_unit():
     assert lay.fields("state")[0].dtype == np.float32
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"num_hidden_layers": 4}, "layer_types"),
-    ({"num_hidden_layers": 4, "full_attention_interval": 2}, "missing key"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"num_hidden_layers": 4}, "layer_types"),
+        ({"num_hidden_layers": 4, "full_attention_interval": 2}, "missing key"),
+    ],
+)
 def test_bad_configs_raise_value_error(bad, match):
     with pytest.raises(ValueError, match=match):
         layout_for(bad)

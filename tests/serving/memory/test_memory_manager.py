@@ -56,7 +56,7 @@ def check_contents(mm, model):
         raw = np.asarray(mm.read_raw(kind, h))
         for f in mm.fields(kind):
             want = field_words([f], values)[f.name]
-            np.testing.assert_array_equal(raw[f.word_offset: f.word_offset + f.words], want)
+            np.testing.assert_array_equal(raw[f.word_offset : f.word_offset + f.words], want)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -131,8 +131,9 @@ def test_handles_are_stable_across_compaction():
     assert st["compactions"] == 1 and st["migrations"] == 1 and st["migrated_bytes"] > 0
     assert any(mm._table[h].tolist() != before[h] for h in hs)
     for h in hs:
-        np.testing.assert_array_equal(np.asarray(mm.read("kv", h)).view(np.uint16),
-                                      values[h].view(np.uint16))
+        np.testing.assert_array_equal(
+            np.asarray(mm.read("kv", h)).view(np.uint16), values[h].view(np.uint16)
+        )
 
 
 def test_unified_padded_reports_padding_and_bigger_pages():
@@ -162,7 +163,7 @@ def test_multi_ended_keeps_kv_a_prefix():
     owners = mm.seg_owner
     kv_segs = [s for s, o in enumerate(owners) if o == kv]
     assert kv_segs == list(range(len(kv_segs)))
-    assert all(o not in (-1, kv) for o in owners[len(kv_segs) + len(mm.unowned[0]):])
+    assert all(o not in (-1, kv) for o in owners[len(kv_segs) + len(mm.unowned[0]) :])
 
 
 def test_view_reads_through_the_device_table():
@@ -176,14 +177,17 @@ def test_view_reads_through_the_device_table():
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), value.view(np.uint16))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"budget_bytes": 100}, "budget_bytes"),
-    ({"budget_bytes": -1}, "budget_bytes"),
-    ({"policy": "lru"}, "policy"),
-    ({"policy": "avmp", "ratio": 2}, "avmp"),
-    ({"policy": "static_dual", "ratio": -1}, "ratio"),
-    ({"segment_bytes": 6}, "segment_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"budget_bytes": 100}, "budget_bytes"),
+        ({"budget_bytes": -1}, "budget_bytes"),
+        ({"policy": "lru"}, "policy"),
+        ({"policy": "avmp", "ratio": 2}, "avmp"),
+        ({"policy": "static_dual", "ratio": -1}, "ratio"),
+        ({"segment_bytes": 6}, "segment_bytes"),
+    ],
+)
 def test_constructor_errors_name_the_argument(kwargs, match):
     kwargs = {"budget_bytes": 1 << 23, **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -227,8 +231,18 @@ def _check_default_segment(lay, budget):
 def test_default_segment_never_packs_worse_than_the_padded_page(head_dim, slots):
     # head_dim 32: kv page 8 KiB, state slot 52.5 KiB, stash 28.4 KiB; the padded page
     # (unified_padded's unit) is 7 KV pages.
-    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=head_dim, gdn_layers=3,
-                       k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
+    lay = HybridLayout(
+        page_size=64,
+        attn_layers=1,
+        kv_heads=1,
+        head_dim=head_dim,
+        gdn_layers=3,
+        k_heads=2,
+        v_heads=4,
+        key_dim=32,
+        value_dim=32,
+        spec_nodes=8,
+    )
     budget = slots * lay.state_slot_bytes
     mm, padded = _check_default_segment(lay, budget)
     seg = mm.arena.segment_words
@@ -252,7 +266,7 @@ def test_default_segment_of_the_study_configs(config):
     assert (12 * lay.state_slot_bytes) // (padded * 4) == 11
 
 
-# ------------------------------------------------------------------------ issue 5 follow-up
+# ----------------------------------------------- dry runs, migration, fill order, host table
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -273,8 +287,10 @@ def test_fits_all_is_an_exact_dry_run(policy):
                     pass
             elif mm.handles(rid):
                 mm.free(rid)
-        needs = [(kinds[rng.integers(0, 4)], int(rng.integers(0, 12)))
-                 for _ in range(int(rng.integers(1, 4)))]
+        needs = [
+            (kinds[rng.integers(0, 4)], int(rng.integers(0, 12)))
+            for _ in range(int(rng.integers(1, 4)))
+        ]
         before = (sorted(mm.live(), key=repr), repr(mm.stats()), mm._table.tobytes())
         answer = mm.fits_all(needs)
         assert (sorted(mm.live(), key=repr), repr(mm.stats()), mm._table.tobytes()) == before
@@ -373,8 +389,18 @@ def test_default_segments_stay_fine_grained_for_small_arenas():
     """A pool wastes at most one partly filled segment, so a small arena gets about 32 (not
     16) segments when the units allow: 32 state slots of the tiny model give 30 segments of
     one padded page (56 KiB: 1 state, 1 stash, 7 KV pages)."""
-    lay = HybridLayout(page_size=64, attn_layers=1, kv_heads=1, head_dim=32, gdn_layers=3,
-                       k_heads=2, v_heads=4, key_dim=32, value_dim=32, spec_nodes=8)
+    lay = HybridLayout(
+        page_size=64,
+        attn_layers=1,
+        kv_heads=1,
+        head_dim=32,
+        gdn_layers=3,
+        k_heads=2,
+        v_heads=4,
+        key_dim=32,
+        value_dim=32,
+        spec_nodes=8,
+    )
     mm = MemoryManager(lay, 32 * lay.state_slot_bytes, "avmp")
     assert mm.num_segments == 30
     assert [p.units_per_segment for p in mm.pools] == [7, 1, 1]
