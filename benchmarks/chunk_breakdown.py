@@ -1,10 +1,10 @@
-"""Per-kernel times of the three-kernel chunked prefill (``pallas_kernels/chunk``) on one GPU.
+"""Per-kernel times of the three-kernel chunked prefill (``pallas_kernels.chunk``) on one GPU.
 
 Times kernel 1 (``intra``: in-chunk solve), kernel 2 (``state``: sequential pass over chunks) and
 kernel 3 (``out``) separately, each as its own jitted ``pallas_call`` fed with the previous
 stages' outputs (computed once per input set), for every ``--shapes`` x ``--blocks`` pair, and
 the whole call (``full``; also checks that the three stages run alone give the whole call's
-``o`` and final state bit for bit). Inputs as ``benchmarks/kernels.py``'s chunk benchmark: bf16
+``o`` and final state bit for bit). Inputs as ``benchmarks.kernels``' chunk benchmark: bf16
 q/k/v ~ N(0, 1), ``g = -U(0.01, 0.2)``, ``beta = U(0.05, 1)``, ``s0 = 0.1 N(0, 1)`` f32,
 ``use_qk_l2norm=True``, Hk 16, K = V = 128, chunk 64. Timing: back-to-back asynchronous calls
 rotating over ``--sets`` input sets (past the L2), one block at the end, median over ``--reps``.
@@ -25,9 +25,9 @@ With ``fuse_out=true`` there are two kernels (kernel 2 writes the outputs). Coun
 * ``floor_us = max(bytes / --bw, flops / --mm)`` (defaults 4.1e12 B/s, 6.9e14 flop/s, the
   H200's measured copy bandwidth and bf16 matmul rate); ``x_floor = us / floor_us``.
 
-    PYTHONPATH=. python benchmarks/chunk_breakdown.py --shapes "4096x8;16384x1" \\
+    python -m benchmarks.chunk_breakdown --shapes "4096x8;16384x1" \\
         --blocks "h_bf16=true" --blocks "h_bf16=true,store_t=true" --json breakdown.json
-    PYTHONPATH=. python benchmarks/chunk_breakdown.py --dry-run   # CPU, interpret mode, < 1 min
+    python -m benchmarks.chunk_breakdown --dry-run   # CPU, interpret mode, < 1 min
 """
 
 from __future__ import annotations
@@ -37,26 +37,18 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
+import functools  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.kernels import chunk_inputs, parse_blocks, timed  # noqa: E402
-from pallas_kernels.chunk import kernel as cv2  # noqa: E402
+from benchmarks.common import log, markdown_table, parse_blocks, write_json  # noqa: E402
+from benchmarks.kernels import chunk_inputs, timed  # noqa: E402
+from pallas_kernels.chunk import kernel as chunk_kernel  # noqa: E402
 
-BF16, F32 = jnp.bfloat16, jnp.float32
 KERNELS = ("intra", "state", "out")
-
-
-def log(msg: str) -> None:
-    print(f"# [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def make_inputs(seed: int, b: int, t: int, hk: int, hv: int, dk: int, dv: int):
-    return chunk_inputs(seed, b, t, hv, hk, dk, dv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,7 +62,7 @@ def counts(cfg, b: int, t: int, hk: int, hv: int, dk: int, dv: int, n_slots: int
     bl, d, c = cfg.blocks, cfg.dots, cfg.chunk
     st, fuse = bl.store_t, bl.fuse_out
     ff = {"bf16": 1, "bf16x3": 3, "tf32x3": 6, "highest": 6}[d.precision]
-    split = cv2._PIECES[d.precision] if d.exact else ff
+    split = chunk_kernel._PIECES[d.precision] if d.exact else ff
     rr = 1 if d.exact else ff
     wv = split if cfg.exact_v else ff
     ns, nt, n_seq = n_slots, n_slots * c, b
@@ -125,10 +117,10 @@ def counts(cfg, b: int, t: int, hk: int, hv: int, dk: int, dv: int, n_slots: int
     o_in_r = (2 * tok_r + 2 * vec) * nvo + ns * hv * c * dv * ub + ns * hv * dk * dv * hb
     res = dict(
         intra=dict(bytes=i_in_u + i_out, l2_bytes=i_in_r + i_out, grid=ns * hv),
-        state=dict(bytes=shared_u + own + s_out, l2_bytes=shared_r * nvs + own + s_out,
-                   grid=n_seq * hv * nvs),
+        state=dict(bytes=shared_u + own + s_out, l2_bytes=shared_r * nvs + own + s_out),
         out=dict(bytes=o_in_u + o_all, l2_bytes=o_in_r + o_all, grid=ns * hv * nvo),
-    )  # fmt: skip
+    )
+    res["state"]["grid"] = n_seq * hv * nvs
     for name, r in res.items():
         r.update(flops=issued[name], flops_1pass=one[name])
     if fuse:
@@ -143,19 +135,11 @@ def counts(cfg, b: int, t: int, hk: int, hv: int, dk: int, dv: int, n_slots: int
 def stage_fns(cfg, out_dtype):
     """The kernels as separately jitted functions of the previous stages' outputs (no third with
     ``fuse_out``)."""
-    f1 = jax.jit(lambda start, length, k, v, g, beta: cv2.intra_call(cfg, start, length, k, v, g, beta))  # fmt: skip
-    f2 = jax.jit(
-        lambda sf, sc, start, length, q, k, v, inter, s0: cv2.state_call(
-            cfg, sf, sc, start, length, q, k, v, inter, s0, out_dtype
-        )
-    )
+    f1 = jax.jit(functools.partial(chunk_kernel.intra_call, cfg))
+    f2 = jax.jit(functools.partial(chunk_kernel.state_call, cfg, out_dtype=out_dtype))
     if cfg.blocks.fuse_out:
         return f1, f2
-    f3 = jax.jit(
-        lambda start, length, q, k, gc, rk, u, h: cv2.out_call(
-            cfg, start, length, q, k, gc, rk, u, h, out_dtype
-        )
-    )
+    f3 = jax.jit(functools.partial(chunk_kernel.out_call, cfg, out_dtype=out_dtype))
     return f1, f2, f3
 
 
@@ -163,14 +147,27 @@ def measure(args, b: int, t: int, spec: str, bl, full: bool) -> list[dict]:
     """Rows (one per kernel, ``sum`` and ``full``) for one shape and one blocks spec."""
     interp = args.dry_run
     dims = (args.hk, args.hv, args.dk, args.dv)
-    sets = [make_inputs(1000 * i + t + b, b, t, *dims) for i in range(args.sets)]
+    sets = [
+        chunk_inputs(1000 * i + t + b, b, t, args.hv, args.hk, args.dk, args.dv)
+        for i in range(args.sets)
+    ]
     ins1, ins2, ins3, outs = [], [], [], []
     cfg = fns = None
     for q, k, v, g, beta, s0 in sets:
-        cfg, plan, flat = cv2.prepare(
-            q, k, v, g, beta, s0, scale=None, use_qk_l2norm=True, chunk_size=args.chunk,
-            cu_seqlens=None, blocks=bl, interpret=interp,
-        )  # fmt: skip
+        cfg, plan, flat = chunk_kernel.prepare(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            s0,
+            scale=None,
+            use_qk_l2norm=True,
+            chunk_size=args.chunk,
+            cu_seqlens=None,
+            blocks=bl,
+            interpret=interp,
+        )
         start, length, seq_first, seq_chunks = plan
         qf, kf, vf, gf, bf, s0f = flat
         if fns is None:
@@ -210,7 +207,7 @@ def measure(args, b: int, t: int, spec: str, bl, full: bool) -> list[dict]:
     if full:
         row = dict(base, kernel="full")
         fcall = jax.jit(
-            lambda *a: cv2.chunk_gated_delta_rule(
+            lambda *a: chunk_kernel.chunk_gated_delta_rule(
                 *a, use_qk_l2norm=True, chunk_size=args.chunk, blocks=bl, interpret=interp
             )
         )
@@ -239,27 +236,27 @@ def measure(args, b: int, t: int, spec: str, bl, full: bool) -> list[dict]:
     return rows
 
 
+TABLE = [
+    *("B", "T", "spec", "kernel", "grid", "us", "MB", "GFLOP"),
+    ("mem_floor_us", "mem floor us"),
+    ("mma_floor_us", "mma floor us"),
+    ("x_floor", "us / floor"),
+]
+
+
 def table(rows: list[dict]) -> str:
-    cols = [("B", "B"), ("T", "T"), ("spec", "spec"), ("kernel", "kernel"), ("grid", "grid"),
-            ("us", "us"), ("bytes", "MB"), ("flops", "GFLOP"), ("mem_floor_us", "mem floor us"),
-            ("mma_floor_us", "mma floor us"), ("x_floor", "us / floor")]  # fmt: skip
-    scale = dict(bytes=1e-6, flops=1e-9)
-    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    """The rows as a Markdown table (bytes in MB, flops in GFLOP; a failed kernel's time
+    'failed')."""
+    shown = []
     for r in rows:
-        cells = []
-        for key, _ in cols:
-            val = r.get(key, "")
-            if key == "spec":
-                val = f"`{val}`"
-            elif key in scale and val != "":
-                val = f"{val * scale[key]:.4g}"
-            elif isinstance(val, float):
-                val = f"{val:.4g}"
-            elif key == "us" and "error" in r:
-                val = "failed"
-            cells.append(str(val))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cell = dict(r, spec=f"`{r.get('spec', '')}`")
+        for key, unit, scale in (("bytes", "MB", 1e-6), ("flops", "GFLOP", 1e-9)):
+            if key in r:
+                cell[unit] = r[key] * scale
+        if "error" in r and "us" not in r:
+            cell["us"] = "failed"
+        shown.append(cell)
+    return markdown_table(shown, TABLE, digits=4)
 
 
 def shapes(s: str) -> list[tuple[int, int]]:
@@ -271,41 +268,62 @@ def shapes(s: str) -> list[tuple[int, int]]:
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--shapes", default="4096x8;16384x1", help="'T x B' pairs, e.g. '4096x8;16384x1'"
+SUM_NOTE = (
+    "# sum: the kernels' times and counts added; full: the whole call (XLA prologue and "
+    "reshapes included), its floor the op's own (q, k, v, g, beta, s0 read; o and the final "
+    "state written)"
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.chunk_breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument(
-        "--blocks", action="append", default=[],
+    a = p.add_argument
+    a("--shapes", default="4096x8;16384x1", help="'T x B' pairs, e.g. '4096x8;16384x1'")
+    a(
+        "--blocks",
+        action="append",
+        default=[],
         help="ChunkBlocks fields, e.g. 'h_bf16=true,store_t=true' ('' = defaults); repeatable",
-    )  # fmt: skip
-    p.add_argument("--hv", type=int, default=32, help="value heads")
-    p.add_argument("--hk", type=int, default=16, help="key heads")
-    p.add_argument("--dk", type=int, default=128, help="K")
-    p.add_argument("--dv", type=int, default=128, help="V")
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
-    p.add_argument("--iters", type=int, default=20, help="back-to-back calls per repetition")
-    p.add_argument("--sets", type=int, default=2, help="input sets rotated through")
-    p.add_argument(
-        "--full", choices=("all", "first", "none"), default="first",
-        help="also time the whole call and check the stages against it: for every spec, the "
+    )
+    a("--hv", type=int, default=32, help="value heads")
+    a("--hk", type=int, default=16, help="key heads")
+    a("--dk", type=int, default=128, help="K")
+    a("--dv", type=int, default=128, help="V")
+    a("--chunk", type=int, default=64)
+    a("--reps", type=int, default=5, help="timed repetitions (median)")
+    a("--iters", type=int, default=20, help="back-to-back calls per repetition")
+    a("--sets", type=int, default=2, help="input sets rotated through")
+    a(
+        "--full",
+        choices=("all", "first", "none"),
+        default="first",
+        help="also time the whole call and check the stages against it: for every spec, the\n"
         "first spec of each shape, or never (each costs one more compile of the kernels)",
-    )  # fmt: skip
-    p.add_argument("--bw", type=float, default=4.1e12, help="HBM bytes/s of the floor")
-    p.add_argument("--mm", type=float, default=6.9e14, help="bf16 matmul flop/s of the floor")
-    p.add_argument(
-        "--budget-s", type=float, default=0,
+    )
+    a("--bw", type=float, default=4.1e12, help="HBM bytes/s of the floor")
+    a("--mm", type=float, default=6.9e14, help="bf16 matmul flop/s of the floor")
+    a(
+        "--budget-s",
+        type=float,
+        default=0,
         help="start no new (shape, spec) after this many seconds (0: no limit)",
-    )  # fmt: skip
-    p.add_argument("--json", default="", help="write meta, args and rows here (after each spec)")
-    p.add_argument(
-        "--dry-run", action="store_true",
-        help="CPU check: interpret mode, T 128, B 1, Hv 16 (unless --shapes/--hv given), "
+    )
+    a("--json", default="", help="write meta, args and rows here (after each spec)")
+    a(
+        "--dry-run",
+        action="store_true",
+        help="CPU check: interpret mode, T 128, B 1, Hv 16 (unless --shapes/--hv given),\n"
         "1 set, 1 rep, 1 iter",
-    )  # fmt: skip
-    args = p.parse_args(argv)
+    )
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.dry_run:
         given = set(argv if argv is not None else sys.argv[1:])
         if "--shapes" not in given:
@@ -314,10 +332,10 @@ def main(argv=None):
             args.hv = 16
         args.reps, args.iters, args.sets = 1, 1, 1
     specs = args.blocks or ["h_bf16=true"]
-    blocks = parse_blocks(specs, cv2.ChunkBlocks)
+    blocks = parse_blocks(specs, chunk_kernel.ChunkBlocks)
     dev = jax.devices()[0]
-    print(f"# device {dev.device_kind}; jax {jax.__version__}; floor: {args.bw / 1e12:.2f} TB/s, "
-          f"{args.mm / 1e12:.0f} TFLOP/s (bf16)", flush=True)  # fmt: skip
+    floor = f"{args.bw / 1e12:.2f} TB/s, {args.mm / 1e12:.0f} TFLOP/s (bf16)"
+    print(f"# device {dev.device_kind}; jax {jax.__version__}; floor: {floor}", flush=True)
     t_start = time.perf_counter()
     rows: list[dict] = []
     skipped = []
@@ -336,22 +354,21 @@ def main(argv=None):
             rows += new
             for r in new:
                 if "us" in r:
-                    print(f"B{b} T{t} {spec or 'default'} {r['kernel']}: {r['us']:.1f} us "
-                          f"(floor {r['floor_us']:.1f}, x{r['x_floor']:.2f})", flush=True)  # fmt: skip
-            if args.json:
-                meta = dict(device=dev.device_kind, jax=jax.__version__, skipped=skipped,
-                            elapsed_s=time.perf_counter() - t_start)  # fmt: skip
-                with open(args.json, "w") as f:
-                    json.dump(dict(meta=meta, args=vars(args), rows=rows), f, indent=1, default=str)
-    print("\n## chunk_v2 per kernel\n")
+                    name = f"B{b} T{t} {spec or 'default'} {r['kernel']}"
+                    floor = f"floor {r['floor_us']:.1f}, x{r['x_floor']:.2f}"
+                    print(f"{name}: {r['us']:.1f} us ({floor})", flush=True)
+            elapsed = time.perf_counter() - t_start
+            meta = dict(
+                device=dev.device_kind, jax=jax.__version__, skipped=skipped, elapsed_s=elapsed
+            )
+            write_json(args.json, dict(meta=meta, args=vars(args), rows=rows))
+    print("\n## chunked prefill, per kernel\n")
     print(table([r for r in rows if "kernel" in r and r["kernel"] != "all"]))
-    print("\n# sum: the kernels' times and counts added; full: the whole call (XLA prologue and "
-          "reshapes included), its floor the op's own (q, k, v, g, beta, s0 read; o and the final "
-          "state written)")  # fmt: skip
+    print(SUM_NOTE)
     checks = [r for r in rows if "stages_equal_full" in r]
     for r in checks:
-        print(f"# B{r['B']} T{r['T']} `{r['spec']}`: stages alone equal the whole call: "
-              f"{r['stages_equal_full']}")  # fmt: skip
+        same = r["stages_equal_full"]
+        print(f"# B{r['B']} T{r['T']} `{r['spec']}`: stages alone equal the whole call: {same}")
     if skipped:
         print(f"# skipped (budget): {'; '.join(skipped)}")
     print(f"# elapsed {time.perf_counter() - t_start:.0f} s")

@@ -13,13 +13,13 @@ the table gives the median and the bytes each program writes out.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
 import numpy as np
 from jax import numpy as jnp
 
+from benchmarks.common import write_json
 from serving.bench import ASSETS
 from serving.llm import LLM, load_model
 from serving.params import SpecConfig
@@ -30,7 +30,9 @@ def _nbytes(tree) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.draft_logits", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--kernels", default="xla", choices=["xla", "auto", "pallas"])
     ap.add_argument("--batch", type=int, default=8, help="rows (the bench's max_num_seqs)")
     ap.add_argument("--reps", type=int, default=50)
@@ -42,8 +44,16 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = jnp.dtype(args.dtype)
     model, draft = load_model(ASSETS / "target", dtype), load_model(ASSETS / "draft", dtype)
     spec = SpecConfig(method="draft_model", draft_model=draft, tree=(4, 2, 2), verify="wy")
-    llm = LLM(model, speculative=spec, max_num_seqs=args.batch, batch_buckets=(args.batch,),
-              max_model_len=176, prefill_chunk=64, dtype=args.dtype, kernels=args.kernels)  # fmt: skip
+    llm = LLM(
+        model,
+        speculative=spec,
+        max_num_seqs=args.batch,
+        batch_buckets=(args.batch,),
+        max_model_len=176,
+        prefill_chunk=64,
+        dtype=args.dtype,
+        kernels=args.kernels,
+    )
     r = llm.engine.draft_runner
     b, n, mp = args.batch, spec.num_nodes, llm.scheduler.pages_per_seq
     rows = (np.zeros(b, np.int32), np.zeros((b, mp), np.int32), np.zeros(b, np.int32))
@@ -67,20 +77,19 @@ def main(argv: list[str] | None = None) -> dict:
             jax.block_until_ready(f())
             times[k].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    print(f"draft level, {r.kind} draft runner, kernels {r.kernels}, B {b}, N {n}, "
-          f"{jax.devices()[0].platform}, median of {args.reps}")
+    print(
+        f"draft level, {r.kind} draft runner, kernels {r.kernels}, B {b}, N {n}, "
+        f"{jax.devices()[0].platform}, median of {args.reps}"
+    )
     print("| program | us | output bytes |")
     print("|---|---|---|")
     for k in progs:
         print(f"| {k} | {med[k] * 1e6:.1f} | {out_bytes[k]} |")
     ratio = med["tree_logits"] / med["transient verify"]
     print(f"tree_logits / transient verify: x{ratio:.3f}")
-    res = {"kernels": r.kernels, "batch": b, "nodes": n, "device": str(jax.devices()[0]),
-           "median_s": med, "output_bytes": out_bytes, "ratio": ratio,
-           "times_s": times}  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    res = dict(kernels=r.kernels, batch=b, nodes=n, device=str(jax.devices()[0]), median_s=med)
+    res.update(output_bytes=out_bytes, ratio=ratio, times_s=times)
+    write_json(args.json, res)
     return res
 
 

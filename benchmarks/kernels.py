@@ -386,7 +386,9 @@ def bench_commit_config(args, bw, blocks, hv, b, n) -> dict:
     s0 = inp[6]
     ref = xla_commit(s0, cache, path, plen, impl="xla")
     row = dict(op="tree_commit", Hv=hv, B=b, N=n, D=d, R=r, floor_us=1e6 * byts / bw)
-    states = [s0 + 0.001 * i for i in range(r)]
+
+    def commit_us(op):  # fresh states each time: the program donates them
+        return fused_us(op, [s0 + 0.001 * i for i in range(r)], args.reps, donate=True)
 
     def pallas(s, bl):
         return pk.tree_commit(
@@ -396,10 +398,10 @@ def bench_commit_config(args, bw, blocks, hv, b, n) -> dict:
     for i, bl in enumerate(blocks):
         row[rel_err_key(i)] = rel(pallas(s0, bl), ref)
         op = functools.partial(pallas, bl=bl)
-        attempt(row, f"pallas{i}_us", fused_us, op, states, args.reps, donate=True)
+        attempt(row, f"pallas{i}_us", commit_us, op)
     row["pallas_us"], row["best_variant"] = best_of(row, "pallas", len(blocks))
     op = lambda s: xla_commit(s, cache, path, plen, impl="xla")
-    attempt(row, "xla_us", fused_us, op, states, args.reps, donate=True)
+    attempt(row, "xla_us", commit_us, op)
     row["pallas_over_floor"] = row["pallas_us"] / row["floor_us"]
     return row
 
@@ -663,6 +665,7 @@ def variant_table(title: str, specs: list[str], rows: list[dict], cols: list) ->
     print(f"\n## {title}\n")
     for i, spec in enumerate(specs):
         print(f"- variant {i}: `{spec or 'defaults'}`")
+    print()
     keys = ["Hv", "B", "N"] if "N" in rows[0] else ["Hv", "B", "T"]
     for col in cols:
         if callable(col) or "{}" in col:
@@ -743,7 +746,11 @@ def chunk_shapes(s: str) -> list[tuple[int, int]]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     a = p.add_argument
     a("--ops", default="verify,commit,chunk", help=f"comma list of {', '.join(OPS)}")
     a(
@@ -767,7 +774,8 @@ def parser() -> argparse.ArgumentParser:
         nargs="?",
         const="",
         default=[],
-        help="also time the two-kernel verify; an optional SplitVerifyBlocks spec,\ne.g. 'precision=bf16x3,block_v=128,num_warps_b=8'; repeatable",
+        help="also time the two-kernel verify; an optional SplitVerifyBlocks spec,\n"
+        "e.g. 'precision=bf16x3,block_v=128,num_warps_b=8'; repeatable",
     )
     a("--chains", action="store_true", help="also time the best verify variant on chains (depth N)")
     a("--breakdown", action="store_true", help="also time the verify kernel cut after each stage")
@@ -810,7 +818,8 @@ def parser() -> argparse.ArgumentParser:
     a(
         "--overhead-ops",
         default="",
-        help="overhead: comma list of op names (default all: pallas[SPEC]..., xla,\npallas_copy, xla_copy, pallas_tiny, xla_tiny)",
+        help="overhead: comma list of op names (default all: pallas[SPEC]..., xla,\n"
+        "pallas_copy, xla_copy, pallas_tiny, xla_tiny)",
     )
     a("--json", metavar="PATH", help="write meta, args and rows here (after every row)")
     a(

@@ -1,26 +1,23 @@
-"""Benchmark of one decoder layer of each kind (GDN + MoE, gated attention + MoE) at
-Qwen3.5-35B-A3B dims (issue 4; DESIGN.md section 7).
+"""One decoder layer of each kind (GDN + MoE, gated attention + MoE) at Qwen3.5-35B-A3B dims.
 
 For each layer kind, through the model step functions (a one-layer model with a small vocab, so
 the embedding and LM head are negligible): prefill tokens/s (``--prefill-len`` tokens, one
 row), tree verify time for ``N`` in ``--tree-sizes`` (random trees after ``--context``
 committed tokens), and the decode step time (``--batch`` rows at ``--context``). Median of
 ``--reps`` timed calls after a warm-up, fresh random tokens per call. Prints a table and writes
-JSON.
+JSON (``--json``).
 
-    python benchmarks/layers.py --json layers.json          # H200, Qwen3.5-35B dims
-    python benchmarks/layers.py --smoke                      # tiny dims, CPU, seconds
+    python -m benchmarks.layers --json layers.json          # GPU, Qwen3.5-35B dims
+    python -m benchmarks.layers --smoke                      # tiny dims, CPU, seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -29,12 +26,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import CONFIG_DIR, ints, markdown_table, write_json  # noqa: E402
 from gdn_jax.models import ModelConfig, init_random  # noqa: E402
 from gdn_jax.models.cache import init_cache  # noqa: E402
 from gdn_jax.models.config import FULL, LINEAR  # noqa: E402
 from gdn_jax.models.steps import decode, prefill, verify_tree  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parent / "configs" / "qwen3_5_35b_a3b.json"
+CONFIG = CONFIG_DIR / "qwen3_5_35b_a3b.json"
 SMOKE = dict(
     hidden_size=64,
     num_attention_heads=4,
@@ -49,10 +47,6 @@ SMOKE = dict(
     moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
 )
-
-
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 def median_time(fn, make_args, reps: int) -> float:
@@ -115,9 +109,11 @@ def bench_kind(cfg: ModelConfig, kind: str, args, rng: np.random.Generator) -> d
     return out
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.layers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=str(CONFIG), help="HF-style config.json of the model")
     p.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
@@ -130,8 +126,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--vocab", type=int, default=1024, help="vocab of the one-layer model")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--json", default="layers.json", help="where to write the results")
-    args = p.parse_args()
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = p.parse_args(argv)
 
     cfg = ModelConfig.from_json(args.config)
     if args.smoke:
@@ -141,25 +137,24 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [bench_kind(cfg, kind, args, rng) for kind in (LINEAR, FULL)]
 
-    cols = ["layer", "prefill_tokens_per_s"] + [f"verify_N{n}_ms" for n in args.tree_sizes]
-    cols.append("decode_step_ms")
+    cols = ["layer", ("prefill_tokens_per_s", f"prefill ({args.prefill_len} tokens) tokens/s")]
+    cols += [(f"verify_N{n}_ms", f"verify N = {n} ms") for n in args.tree_sizes]
+    cols.append(("decode_step_ms", f"decode step (B {args.batch}) ms"))
     print(
         f"device: {jax.devices()[0].device_kind}; hidden {cfg.hidden_size}, "
-        f"prefill {args.prefill_len}, context {args.context}, batch {args.batch}, bf16"
+        f"prefill {args.prefill_len}, context {args.context}, batch {args.batch}, bf16\n"
     )
-    print(" | ".join(f"{c:>18}" for c in cols))
-    for r in rows:
-        print(
-            " | ".join(f"{r[c]:>18.3f}" if isinstance(r[c], float) else f"{r[c]:>18}" for c in cols)
-        )
+    print(markdown_table(rows, cols, digits=4))
     result = {
         "device": jax.devices()[0].device_kind,
         "config": args.config,
-        "args": {k: v for k, v in vars(args).items()},
+        "args": vars(args),
         "rows": rows,
     }
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -2,27 +2,26 @@
 
     python -m benchmarks.routes_check [--json PATH]
 
-For each case (35B GDN dims, random trees, bf16 and f32 inputs, N = 16, 64, 128) prints which
-implementation ``"auto"`` resolves to and the relative error of ``tree_verify`` outputs, ``U``
-and of ``tree_commit`` against the XLA path. Exits non-zero on an error above 1e-3.
+For each case (35B GDN dims: Hk 16, Hv 32, K = V = 128; random trees; bf16 and f32 inputs;
+N = 16, 64, 128) prints which implementation ``"auto"`` resolves to and the relative error of
+``tree_verify``'s outputs ``O``, its ``U`` and of ``tree_commit``'s state against the XLA path,
+for ``"auto"`` and ``"pallas"`` (a case outside the kernels' limits shows their error message).
+Exits non-zero on an error above 1e-3.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import markdown_table, rel, write_json
 from gdn_jax import tree_commit, tree_verify
 from gdn_jax.dispatch import resolve_impl
 
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+TOL = 1e-3
 
 
 def case(b: int, n: int, dtype, rng) -> dict:
@@ -47,7 +46,10 @@ def case(b: int, n: int, dtype, rng) -> dict:
         path[r, : len(chain)] = chain[::-1]
         plen[r] = len(chain)
     out = dict(
-        b=b, n=n, dtype=jnp.dtype(dtype).name, auto_picks=resolve_impl("auto", "tree_verify", q, k, v)
+        b=b,
+        n=n,
+        dtype=jnp.dtype(dtype).name,
+        auto_picks=resolve_impl("auto", "tree_verify", q, k, v),
     )
     ref_o, ref_c = tree_verify(q, k, v, g, beta, parents, s0, use_qk_l2norm=True, impl="xla")
     ref_s = tree_commit(s0, ref_c, path, plen, impl="xla")
@@ -63,9 +65,31 @@ def case(b: int, n: int, dtype, rng) -> dict:
     return out
 
 
+COLUMNS = ["B", "N", "dtype", ("auto_picks", "auto picks")]
+COLUMNS += [
+    (f"{impl} {key}", f"{impl}: {key}")
+    for impl in ("auto", "pallas")
+    for key in ("o", "u", "commit")
+]
+
+
+def flat(r: dict) -> dict:
+    """A table row: the errors of each impl as ``'{impl} {o|u|commit}'`` (or its error message)."""
+    out = dict(B=r["b"], N=r["n"], dtype=r["dtype"], auto_picks=r["auto_picks"])
+    for impl in ("auto", "pallas"):
+        if "error" in r[impl]:
+            out[f"{impl} o"] = r[impl]["error"][:60]
+        for key, val in r[impl].items():
+            if key != "error":
+                out[f"{impl} {key}"] = val
+    return out
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.routes_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--nodes", default="16,64,128", help="tree sizes to check (default 16,64,128)")
@@ -77,18 +101,19 @@ def main(argv=None) -> list[dict]:
         for n in (int(x) for x in args.nodes.split(","))
         for dt in (jnp.bfloat16, jnp.float32)
     ]
-    bad = False
-    print(f"backend {jax.default_backend()}")
-    for r in rows:
-        print(json.dumps(r))
-        for impl in ("auto", "pallas"):
-            errs = [v for key, v in r[impl].items() if key != "error"]
-            bad |= any(e > 1e-3 for e in errs)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    print(f"backend {jax.default_backend()}; relative error against impl='xla'\n")
+    print(markdown_table([flat(r) for r in rows], COLUMNS, digits=2))
+    write_json(args.json, rows)
+    bad = [
+        (r["b"], r["n"], r["dtype"], impl)
+        for r in rows
+        for impl in ("auto", "pallas")
+        if any(v > TOL for key, v in r[impl].items() if key != "error")
+    ]
     if bad:
-        raise SystemExit("an implementation disagrees with the XLA path by more than 1e-3")
+        raise SystemExit(
+            f"disagrees with the XLA path by more than {TOL} at (B, N, dtype, impl) {bad}"
+        )
     return rows
 
 

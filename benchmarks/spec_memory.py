@@ -14,9 +14,8 @@ The "state" columns compare the recurrent part alone (ratio ~K), "total" adds th
 from __future__ import annotations
 
 import argparse
-import json
 
-from benchmarks.gdn_dims import CONFIG_DIR, GDNDims, gdn_dims
+from benchmarks.common import GDNDims, config_names, fmt_bytes, gdn_dims, write_json
 
 F32, BF16 = 4, 2
 
@@ -60,18 +59,12 @@ def rows(configs: list[str], nodes: list[int], batches: list[int]) -> list[dict]
     return out
 
 
-def fmt_bytes(x: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.1f} {unit}" if unit != "B" else f"{int(x)} B"
-        x /= 1024
-    raise AssertionError
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+    known = config_names()
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.spec_memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--config",
@@ -101,8 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{r['state_ratio']:>8.1f}{r['total_ratio']:>8.1f}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(table, f, indent=1)
+        write_json(args.json, table)
         print(f"wrote {args.json}")
     return table
 

@@ -13,15 +13,13 @@ and prints time (median of jitted runs) and speculative memory of both.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.gdn_dims import gdn_dims
-from benchmarks.spec_memory import fmt_bytes
+from benchmarks.common import fmt_bytes, gdn_dims, write_json
 from gdn_jax import (
     DraftTree,
     snapshot_tree_commit,
@@ -90,7 +88,9 @@ def nbytes(tree) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.tree_demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--config",
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(hdr)
     print("-" * len(hdr))
     for name, tv, tc, mem in (
-        ("tree WY (ours)", t_wy, tc_wy, mem_wy),
+        ("tree WY", t_wy, tc_wy, mem_wy),
         ("snapshot per node", t_sn, tc_sn, mem_sn),
     ):
         print(
@@ -216,8 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     if err > 1e-2 or state_err > 1e-4:
         raise SystemExit(f"tree WY and snapshot verification disagree: {err:.2e} / {state_err:.2e}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return result
 

@@ -1,0 +1,148 @@
+"""Helpers shared by the benchmarks: model configs and their GDN dimensions, argument parsing,
+error and size formatting, Markdown tables and JSON output. Imports no jax."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+# --------------------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNDims:
+    """GDN dimensions of a model config."""
+
+    name: str
+    num_gdn_layers: int
+    num_attn_layers: int
+    hidden: int
+    hk: int
+    hv: int
+    k: int
+    v: int
+    conv_width: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short conv: ``[q | k | v]``."""
+        return 2 * self.hk * self.k + self.hv * self.v
+
+
+def config_names() -> list[str]:
+    """Stems of the configs in ``benchmarks/configs``."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_config(name_or_path: str) -> tuple[str, dict]:
+    """``(name, text config)`` of a config given by file path or by the stem of a file in
+    ``benchmarks/configs`` (HF ``config.json`` keys; a nested ``text_config`` is unwrapped)."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = CONFIG_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        raise ValueError(f"config: {name_or_path!r} is neither a file nor one of {config_names()}")
+    cfg = json.loads(path.read_text())
+    return path.stem, cfg.get("text_config", cfg)
+
+
+def gdn_dims(name_or_path: str) -> GDNDims:
+    """The GDN dimensions and layer counts of a config (see :func:`load_config`)."""
+    name, cfg = load_config(name_or_path)
+    n = cfg["num_hidden_layers"]
+    if "layer_types" in cfg:
+        n_gdn = sum(t == "linear_attention" for t in cfg["layer_types"])
+    else:
+        interval = cfg["full_attention_interval"]
+        n_gdn = sum((i + 1) % interval != 0 for i in range(n))
+    return GDNDims(
+        name=name,
+        num_gdn_layers=n_gdn,
+        num_attn_layers=n - n_gdn,
+        hidden=cfg["hidden_size"],
+        hk=cfg["linear_num_key_heads"],
+        hv=cfg["linear_num_value_heads"],
+        k=cfg["linear_key_head_dim"],
+        v=cfg["linear_value_head_dim"],
+        conv_width=cfg["linear_conv_kernel_dim"],
+    )
+
+
+# ------------------------------------------------------------------------------------- arguments
+
+
+def ints(s: str) -> list[int]:
+    """``'1,16,64'`` -> ``[1, 16, 64]``."""
+    return [int(x) for x in s.split(",") if x]
+
+
+def parse_value(val: str):
+    """A blocks-spec value: ``true``/``false``, an int, or the string itself."""
+    if val.lower() in ("true", "false"):
+        return val.lower() == "true"
+    try:
+        return int(val)
+    except ValueError:
+        return val
+
+
+def parse_blocks(specs: list[str], cls) -> list:
+    """``cls`` instances from ``'field=value,...'`` specs (``''``: the defaults); no specs give
+    ``[cls()]``."""
+    out = []
+    for spec in specs:
+        kw = dict(item.split("=") for item in filter(None, spec.split(",")))
+        out.append(cls(**{key: parse_value(val) for key, val in kw.items()}))
+    return out or [cls()]
+
+
+# ------------------------------------------------------------------------------------ formatting
+
+
+def rel(a, b) -> float:
+    """Relative error ``||a - b|| / ||b||`` in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def fmt_bytes(x: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(x) < 1024:
+            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
+def fmt_cell(val, digits: int = 3) -> str:
+    """A table cell: floats to ``digits`` significant digits, anything else as ``str``."""
+    return f"{val:.{digits}g}" if isinstance(val, float) else str(val)
+
+
+def markdown_table(rows: list[dict], cols, digits: int = 3) -> str:
+    """A Markdown table of ``rows``; ``cols`` are keys or ``(key, header)`` pairs; a missing
+    key is an empty cell."""
+    cols = [c if isinstance(c, tuple) else (c, c) for c in cols]
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt_cell(r.get(k, ""), digits) for k, _ in cols) + " |")
+    return "\n".join(lines)
+
+
+def log(msg: str) -> None:
+    """A time-stamped progress line on stderr."""
+    print(f"# [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_json(path, doc) -> None:
+    """Writes ``doc`` as indented JSON (non-JSON values as ``str``); no-op without a path."""
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=1, default=str))

@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# The benchmarks' GPU runs (figures in benchmarks/README.md), as named steps:
+#
+#   bash benchmarks/device.sh STEP [STEP ...]        # from the repository root
+#
+# Each step writes $OUT/<benchmark>/<name>.log and, where the benchmark writes one, the JSON
+# beside it: the layout of benchmarks/results/, so a run's files replace the ones there. A step
+# runs under its own time limit (each fits a 600 s device call alone); its exit status and the
+# log's tail are printed. fla-core wheels in .whl/ (carried to the device) are installed to
+# /tmp/site first; only the `chunk` step uses them.
+#
+# Steps (benchmark: what):
+#   gpu_tests           tests: the engine and arena-kernel tests on the GPU (~390 s)
+#   verify_grid         kernels: tree verify, Hv {32, 64} x B {1, 16, 64} x N {8, 32, 64}, trees
+#                       and chains, against XLA, the snapshot kernel and the floor
+#   verify_grid_n128    kernels: the same at N = 128, no chains (an N = 128 kernel compiles ~30 s)
+#   verify_variants     kernels: VerifyBlocks variants at B 16 / Hv 32 and B 1 / Hv 64, N 64
+#   verify_split        kernels: the two-kernel verify against the fused one
+#   verify_b1_repeats   kernels: one B = 1 config timed five times (its spread between runs)
+#   commit              kernels: tree commit, two CommitBlocks variants, against XLA
+#   arena               kernels: verify and commit on states in the arena against dense states
+#   overhead            kernels: per-op and per-program cost (program time fitted over R)
+#   chunk               kernels: chunked prefill against fla and the floor at four shapes
+#   ncu_verify          kernels: Nsight Compute on the verify kernel, cut after the loads and whole
+#   chunk_breakdown     chunk_breakdown: the chunked prefill kernel by kernel
+#   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
+#   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
+#   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
+#   serving_35b_8l      serving: the bench at Qwen3.5-35B-A3B's dims cut to 8 layers, random
+#                       weights, n-gram drafting; DTYPE (bfloat16), KERNELS (auto), LIMIT (330 s;
+#                       float32 needs ~500); JAX_DEFAULT_MATMUL_PRECISION=highest is named too
+#   draft_logits        draft_logits: the drafting program, XLA and auto kernels
+#   routes_check        routes_check: impl="auto" and "pallas" against "xla"
+#   arena_read_decode   arena_read: a decode step's GDN states through the arena
+#   arena_read_prefill  arena_read: a prefill chunk's GDN states through the arena
+set -u
+OUT=${OUT:-/tmp/benchmarks_out}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:.
+
+# run LIMIT_S BENCHMARK NAME CMD...: CMD under a time limit into $OUT/BENCHMARK/NAME.log
+run() {
+  local limit=$1 bench=$2 name=$3
+  shift 3
+  mkdir -p "$OUT/$bench"
+  echo "== $bench/$name"
+  timeout "$limit" "$@" > "$OUT/$bench/$name.log" 2>&1
+  echo "rc=$?"
+  grep -v '^# \[' "$OUT/$bench/$name.log" | grep -v '^op=' | tail -"${TAILN:-30}"
+}
+
+# json BENCHMARK NAME: where that step's JSON goes
+json() { echo "$OUT/$1/$2.json"; }
+
+KERNELS_PY=(python3 -m benchmarks.kernels)
+VERIFY=precision=bf16x3
+GRID="32:1:8;32:1:32;32:1:64;32:16:8;32:16:32;32:16:64;32:64:8;32:64:32;32:64:64"
+GRID+=";64:1:8;64:1:32;64:1:64;64:16:8;64:16:32;64:16:64;64:64:8;64:64:32;64:64:64"
+GRID_128="32:1:128;32:16:128;32:64:128;64:1:128;64:16:128;64:64:128"
+
+step() {
+  case "$1" in
+  gpu_tests)
+    TAILN=15 run 560 gpu_tests h200 python3 -m pytest -q -p no:cacheprovider --durations=8 \
+      tests/serving/test_arena_kernels_engine.py tests/serving/test_arena_draft.py \
+      tests/pallas_kernels/test_arena_attention.py tests/pallas_kernels/test_arena_decode.py \
+      tests/pallas_kernels/test_arena_prefill.py
+    ;;
+  verify_grid)
+    TAILN=30 run 560 kernels verify_grid "${KERNELS_PY[@]}" --ops verify --reps 5 --chains \
+      --verify-blocks $VERIFY --configs "$GRID" --json "$(json kernels verify_grid)"
+    ;;
+  verify_grid_n128)
+    TAILN=12 run 560 kernels verify_grid_n128 "${KERNELS_PY[@]}" --ops verify --reps 5 \
+      --verify-blocks $VERIFY --configs "$GRID_128" --json "$(json kernels verify_grid_n128)"
+    ;;
+  verify_variants)
+    local a=$VERIFY,ancestors_input=true
+    TAILN=30 run 300 kernels verify_variants "${KERNELS_PY[@]}" --ops verify --reps 5 --chains \
+      --configs "32:16:64;64:1:64" --verify-blocks $VERIFY --verify-blocks $a \
+      --verify-blocks $a,refine_steps=1 --verify-blocks $a,num_warps=8 \
+      --verify-blocks $a,inverse_precision=tf32,refine_steps=1 \
+      --json "$(json kernels verify_variants)"
+    ;;
+  verify_split)
+    TAILN=30 run 400 kernels verify_split "${KERNELS_PY[@]}" --ops verify --reps 5 \
+      --no-snapshot --no-xla --verify-blocks $VERIFY --verify-split $VERIFY \
+      --verify-split $VERIFY,block_v=128,num_warps_b=8 --verify-split $VERIFY,num_warps_a=8 \
+      --configs "32:16:64;64:1:64;32:64:64;64:16:64" --json "$(json kernels verify_split)"
+    ;;
+  verify_b1_repeats)
+    TAILN=12 run 150 kernels verify_b1_repeats "${KERNELS_PY[@]}" --ops verify --reps 10 \
+      --no-snapshot --no-xla --verify-blocks $VERIFY \
+      --configs "64:1:64;64:1:64;64:1:64;32:1:64;32:1:64" --json "$(json kernels verify_b1_repeats)"
+    ;;
+  commit)
+    TAILN=20 run 200 kernels commit "${KERNELS_PY[@]}" --ops commit --reps 5 \
+      --configs "32:16:64;64:1:64;64:16:64;32:64:64" --commit-blocks "" \
+      --commit-blocks block_v=128,num_warps=4 --json "$(json kernels commit)"
+    ;;
+  arena)
+    TAILN=8 run 200 kernels arena "${KERNELS_PY[@]}" --ops arena --reps 5 \
+      --configs "32:16:64;64:1:64" --verify-blocks $VERIFY --json "$(json kernels arena)"
+    ;;
+  overhead)
+    TAILN=20 run 300 kernels overhead "${KERNELS_PY[@]}" --ops overhead --reps 10 --rs 1,4,16 \
+      --configs "32:16:64;64:1:64" --verify-blocks $VERIFY \
+      --verify-blocks $VERIFY,block_v=32,num_warps=8 --json "$(json kernels overhead)"
+    ;;
+  chunk)
+    TAILN=12 run 560 kernels chunk "${KERNELS_PY[@]}" --ops chunk --reps 5 --no-xla \
+      --chunk-shapes "4096x1;4096x8;16384x1;16384x4" --chunk-blocks h_bf16=true,store_t=true \
+      --chunk-blocks store_t=true --json "$(json kernels chunk)"
+    ;;
+  ncu_verify)
+    run 200 kernels ncu_verify ncu --clock-control none -k regex:gdn_tree_verify -c 4 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      --section LaunchStats "${KERNELS_PY[@]}" --ops profile --configs 32:16:64 \
+      --verify-blocks $VERIFY,stop_after=load --verify-blocks $VERIFY
+    ;;
+  chunk_breakdown)
+    TAILN=20 run 560 chunk_breakdown h200 python3 -m benchmarks.chunk_breakdown \
+      --shapes "4096x8;16384x1" --blocks h_bf16=true --blocks h_bf16=true,store_t=true \
+      --blocks fuse_out=true,store_t=true --blocks fuse_out=true,store_t=true,block_v_state=16 \
+      --blocks h_bf16=true,store_t=true,precision=bf16 --budget-s 450 \
+      --json "$(json chunk_breakdown h200)"
+    ;;
+  layers)
+    TAILN=8 run 400 layers h200 python3 -m benchmarks.layers --json "$(json layers h200)"
+    ;;
+  serving_xla | serving_auto)
+    local k=${1#serving_}
+    TAILN=8 run 300 serving "h200_$k" python3 -m serving bench --kernels "$k" --compile-cache "" \
+      --json "$(json serving "h200_$k")"
+    ;;
+  serving_35b_8l)
+    local dtype=${DTYPE:-bfloat16} kernels=${KERNELS:-auto}
+    local name=h200_35b_8l_${dtype}_${kernels}${JAX_DEFAULT_MATMUL_PRECISION:+_$JAX_DEFAULT_MATMUL_PRECISION}
+    python3 -c 'import json, sys
+c = json.load(open("benchmarks/configs/qwen3_5_35b_a3b.json"))
+c.pop("_source", None)
+c["num_hidden_layers"] = 8
+json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
+    TAILN=10 run "${LIMIT:-330}" serving "$name" python3 -m serving bench \
+      --config /tmp/qwen3_5_35b_a3b_8l.json --dtype "$dtype" --num-prompts 16 --max-num-seqs 16 \
+      --max-tokens 32 --kernels "$kernels" --compile-cache "" --json "$(json serving "$name")"
+    ;;
+  draft_logits)
+    for k in xla auto; do
+      TAILN=6 run 200 draft_logits "h200_$k" python3 -m benchmarks.draft_logits --kernels "$k" \
+        --reps 100 --json "$(json draft_logits "h200_$k")"
+    done
+    ;;
+  routes_check)
+    TAILN=12 run 200 routes_check h200 python3 -m benchmarks.routes_check \
+      --json "$(json routes_check h200)"
+    ;;
+  arena_read_decode)
+    TAILN=8 run 200 arena_read decode python3 -m benchmarks.arena_read --batch 1,16,64 --reps 10 \
+      --json "$(json arena_read decode)"
+    ;;
+  arena_read_prefill)
+    TAILN=12 run 400 arena_read prefill python3 -m benchmarks.arena_read --step prefill \
+      --batch 1,16,64 --chunk 16,64 --reps 5 --json "$(json arena_read prefill)"
+    ;;
+  *)
+    echo "unknown step: $1 (the steps are listed at the top of $0)" >&2
+    return 2
+    ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
+for s in "$@"; do
+  step "$s"
+done

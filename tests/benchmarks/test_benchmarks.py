@@ -1,0 +1,67 @@
+"""Cheap checks of the benchmarks' shared helpers (``benchmarks.common``), of
+``benchmarks.spec_memory`` (exact byte counts) and of ``benchmarks.kernels``' input helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import common, spec_memory
+
+
+def test_gdn_dims_of_the_shipped_configs():
+    names = common.config_names()
+    assert {"qwen3_5_35b_a3b", "qwen3_5_397b_a17b"} <= set(names)
+    d = common.gdn_dims("qwen3_5_35b_a3b")
+    assert (d.num_gdn_layers, d.num_attn_layers) == (30, 10)
+    assert (d.hk, d.hv, d.k, d.v, d.conv_width) == (16, 32, 128, 128, 4)
+    assert d.conv_dim == 2 * 16 * 128 + 32 * 128
+    with pytest.raises(ValueError, match="neither a file nor one of"):
+        common.load_config("no_such_config")
+
+
+def test_parse_blocks_and_tables():
+    @dataclasses.dataclass(frozen=True)
+    class Blocks:
+        block_v: int = 64
+        fast: bool = False
+        precision: str = "bf16x3"
+
+    got = common.parse_blocks(["", "block_v=32,fast=true,precision=tf32x3"], Blocks)
+    assert got == [Blocks(), Blocks(32, True, "tf32x3")]
+    assert common.parse_blocks([], Blocks) == [Blocks()]
+    table = common.markdown_table([dict(a=1, b=0.123456), dict(a=2)], ["a", ("b", "B")])
+    assert table.splitlines() == ["| a | B |", "|---|---|", "| 1 | 0.123 |", "| 2 |  |"]
+    assert common.fmt_bytes(1536) == "1.5 KiB" and common.fmt_bytes(12) == "12 B"
+    assert common.ints("1,16,64") == [1, 16, 64]
+
+
+def test_spec_memory_rows(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    argv = ["--config", "qwen3_5_35b_a3b", "--nodes", "64", "--batch", "1", "16"]
+    rows = spec_memory.main([*argv, "--json", str(out)])
+    assert json.loads(out.read_text()) == rows
+    one, sixteen = rows
+    # per node and GDN layer: a 32 x 128 x 128 f32 state against U, k, G and the parent
+    assert one["snapshot_state_bytes"] == 64 * 30 * 32 * 128 * 128 * 4
+    assert one["wy_state_bytes"] == 64 * 30 * (32 * 128 * 4 + 16 * 128 * 2 + 32 * 4 + 4)
+    assert sixteen["snapshot_per_seq_bytes"] == one["snapshot_per_seq_bytes"]
+    assert round(one["state_ratio"]) == 102
+    assert "qwen3_5_35b_a3b" in capsys.readouterr().out
+
+
+def test_kernel_inputs():
+    kernels = pytest.importorskip("benchmarks.kernels")
+    par = kernels.random_parents(np.random.default_rng(0), 3, 20, chain=False)
+    assert (par[:, 0] == -1).all() and (par[:, 1:] < np.arange(1, 20)).all()
+    path, plen = kernels.deepest_path(par)
+    for r in range(3):  # a root-to-node chain of parents
+        p = path[r, : plen[r]]
+        assert p[0] == 0 and all(par[r, p[i]] == p[i - 1] for i in range(1, len(p)))
+    chain = kernels.random_parents(None, 2, 5, chain=True)
+    assert kernels.deepest_path(chain)[1].tolist() == [5, 5]
+    assert kernels.chunk_shapes("4096x1;16384x4") == [(4096, 1), (16384, 4)]
+    assert kernels.rel_err_key(0) == "rel_err_vs_xla" and kernels.rel_err_key(2) == "rel_err2"
