@@ -64,7 +64,9 @@ def store_state(out_ref, addr, s):
 
 def check_arena(arena, table, handles, b, offset, hv, dk, dv):
     if arena.ndim != 2 or arena.dtype != jnp.uint32:
-        raise ValueError(f"arena: expected uint32 [segments, words], got {arena.dtype} {arena.shape}")
+        raise ValueError(
+            f"arena: expected uint32 [segments, words], got {arena.dtype} {arena.shape}"
+        )
     if table.ndim != 2 or table.shape[1] != 2 or not jnp.issubdtype(table.dtype, jnp.integer):
         raise ValueError(f"table: expected int [handles, 2], got {table.dtype} {table.shape}")
     if handles.shape != (b,) or not jnp.issubdtype(handles.dtype, jnp.integer):
@@ -72,7 +74,8 @@ def check_arena(arena, table, handles, b, offset, hv, dk, dv):
     if not 0 <= offset or offset + hv * dk * dv > arena.shape[1]:
         raise ValueError(
             f"state_offset: {offset} + Hv*K*V = {hv * dk * dv} words must fit a segment of "
-            f"{arena.shape[1]} words")
+            f"{arena.shape[1]} words"
+        )
 
 
 def whole():

@@ -84,7 +84,7 @@ def dot(a: jax.Array, b: jax.Array, precision, *, trans_a: bool = False, trans_b
 
 
 def l2norm_rows(x: jax.Array) -> jax.Array:
-    """``x * rsqrt(sum(x * x, -1) + 1e-6)`` row-wise, in f32 (DESIGN.md section 2)."""
+    """``x * rsqrt(sum(x * x, -1) + 1e-6)`` row-wise, in f32 (docs/design.md)."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
@@ -107,7 +107,8 @@ def ancestor_closure(parents: jax.Array) -> jax.Array:
     reach = ((parents[:, None] == col) | (row == col)).astype(jnp.bfloat16)
     for _ in range(max(n - 1, 1).bit_length()):
         prod = jax.lax.dot_general(
-            reach, reach, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+            reach, reach, (((1,), (0,)), ((), ())), preferred_element_type=F32
+        )
         reach = jnp.minimum(prod, 1.0).astype(jnp.bfloat16)
     return reach > 0.5
 
@@ -136,7 +137,7 @@ def unit_lower_inverse(a: jax.Array, precision) -> jax.Array:
 
 def wy_block(q, k, v, beta, g_path, decay, strict, s0, precision):
     """One WY block: ``U = (I + A)^-1 diag(beta) (V - diag(e^G) K S0)`` and
-    ``O = diag(e^G) Q S0 + ((Q K^T) * D) U`` (DESIGN.md section 3). All f32; returns ``(o, u)``.
+    ``O = diag(e^G) Q S0 + ((Q K^T) * D) U`` (docs/design.md). All f32; returns ``(o, u)``.
     """
     kk = dot(k, k, precision, trans_b=True)
     a = beta[:, None] * jnp.where(strict, decay, 0.0) * kk
@@ -183,7 +184,7 @@ def prepare_tree_launch(q, k, v, g, beta, parents, *, scale, block_v: int) -> Tr
     npad = next_pow2(k.shape[1], 16)
     q, k, v, g, beta = (pad_axis(x, 1, npad) for x in (q, k, v, g, beta))
     parents = pad_axis(parents.astype(jnp.int32), 1, npad, value=-2)
+    scale = dk**-0.5 if scale is None else float(scale)
     return TreeLaunch(
-        q, k, v, g, beta, parents, npad=npad, bv=min(block_v, dv), grp=hv // hk,
-        scale=dk**-0.5 if scale is None else float(scale),
-    )  # fmt: skip
+        q, k, v, g, beta, parents, npad=npad, bv=min(block_v, dv), grp=hv // hk, scale=scale
+    )

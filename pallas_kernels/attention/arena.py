@@ -1,5 +1,5 @@
 """Paged attention with the KV pages inside the memory manager's arena, read in place through
-the handle table (issue 5): no gather of the pages into a per-layer buffer.
+the handle table: no gather of the pages into a per-layer buffer.
 
 Two entry points share one kernel body (page loop, word loads, online softmax):
 
@@ -11,7 +11,7 @@ Two entry points share one kernel body (page loop, word loads, online softmax):
   into the pages); same result as the XLA path's ``attend`` over the gathered pages.
 
 A KV unit of the arena is ``[La, 2, S, Hkv, D]`` in the cache dtype
-(``serving.memory.model_cache.ArenaSpec``), starting ``kv_offset`` words into the unit; row
+(``serving.arena_spec.ArenaSpec``), starting ``kv_offset`` words into the unit; row
 ``b``'s logical page ``j`` is the unit of handle ``page_handles[b, j]``, found at
 ``table[handle] = (segment, word)``. Each page step loads the head's ``[S, D]`` K and V tiles as
 ``uint32`` words with one indexed load each:
@@ -63,9 +63,23 @@ def _words_to_f32(w, packed: bool):
 
 
 def _kernel(
-    len_ref, pt_ref, tab_ref, q_ref, ar_ref, *refs, draft, total, group, scale, precision,
-    layer, kv_offset, page_size, kv_heads, packed,
-):  # fmt: skip
+    len_ref,
+    pt_ref,
+    tab_ref,
+    q_ref,
+    ar_ref,
+    *refs,
+    draft,
+    total,
+    group,
+    scale,
+    precision,
+    layer,
+    kv_offset,
+    page_size,
+    kv_heads,
+    packed,
+):
     """One program per (batch row, query head[, query block]). ``draft``: ``refs`` are
     ``(draft_k, draft_v, draft_mask, out)`` and every query sees the committed keys
     ``j < kv_len``, then the draft keys its mask row allows; else ``(q_pos, out)`` and query
@@ -169,8 +183,11 @@ def _prepare(q, arena, table, page_handles, hkv, kv_dtype, page_size):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name}: a power of two >= 16, got {size}")
     mp2 = _next_pow2(page_handles.shape[1])
-    pt = jnp.pad(page_handles.astype(jnp.int32), [(0, 0), (0, mp2 - page_handles.shape[1])],
-                 constant_values=-1)  # fmt: skip
+    pt = jnp.pad(
+        page_handles.astype(jnp.int32),
+        [(0, 0), (0, mp2 - page_handles.shape[1])],
+        constant_values=-1,
+    )
     return kv_dtype == jnp.dtype(jnp.bfloat16), pt, mp2
 
 
@@ -179,15 +196,35 @@ def _body(q, hkv, packed, draft, total, **static):
     hq = q.shape[2]
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     return functools.partial(
-        _kernel, draft=draft, total=total, group=hq // hkv, precision=precision, kv_heads=hkv,
-        packed=packed, **static)  # fmt: skip
+        _kernel,
+        draft=draft,
+        total=total,
+        group=hq // hkv,
+        precision=precision,
+        kv_heads=hkv,
+        packed=packed,
+        **static,
+    )
 
 
 def tree_attention(
-    q, arena, table, page_handles, kv_len, draft_k, draft_v, draft_mask, *, layer: int,
-    kv_offset: int, page_size: int, kv_dtype, scale: float,
-    blocks: TreeAttentionBlocks = DEFAULT_BLOCKS, interpret: bool = False,
-):  # fmt: skip
+    q,
+    arena,
+    table,
+    page_handles,
+    kv_len,
+    draft_k,
+    draft_v,
+    draft_mask,
+    *,
+    layer: int,
+    kv_offset: int,
+    page_size: int,
+    kv_dtype,
+    scale: float,
+    blocks: TreeAttentionBlocks = DEFAULT_BLOCKS,
+    interpret: bool = False,
+):
     """:func:`pallas_kernels.attention.kernel` for attention layer ``layer`` with the committed
     K/V in the arena. ``q [B, N, Hq, D]``, ``page_handles int [B, MP]`` (``-1`` = unmapped),
     ``kv_len int [B]``, ``draft_k/v [B, N, Hkv, D]``, ``draft_mask bool [B, N, N]``;
@@ -196,8 +233,8 @@ def tree_attention(
     hkv = draft_k.shape[2]
     packed, pt, mp2 = _prepare(q, arena, table, page_handles, hkv, kv_dtype, page_size)
     q_p, dk_p, dv_p, mask, np2 = _pad_nodes(q, draft_k, draft_v, draft_mask)
-    kernel = _body(q, hkv, packed, True, 0, scale=scale, layer=layer, kv_offset=kv_offset,
-                   page_size=page_size)  # fmt: skip
+    static = dict(scale=scale, layer=layer, kv_offset=kv_offset, page_size=page_size)
+    kernel = _body(q, hkv, packed, True, 0, **static)
     whole = pl.BlockSpec(memory_space=None)
     q_spec, kv_spec, mask_spec = _node_specs(np2, d, hq // hkv)
     out = pl.pallas_call(
@@ -220,10 +257,23 @@ def tree_attention(
 
 
 def paged_attention(
-    q, arena, table, page_handles, kv_len, q_pos, *, layer: int, kv_offset: int,
-    page_size: int, kv_heads: int, kv_dtype, scale: float, block_q: int = BLOCK_Q,
-    blocks: TreeAttentionBlocks = DEFAULT_BLOCKS, interpret: bool = False,
-):  # fmt: skip
+    q,
+    arena,
+    table,
+    page_handles,
+    kv_len,
+    q_pos,
+    *,
+    layer: int,
+    kv_offset: int,
+    page_size: int,
+    kv_heads: int,
+    kv_dtype,
+    scale: float,
+    block_q: int = BLOCK_Q,
+    blocks: TreeAttentionBlocks = DEFAULT_BLOCKS,
+    interpret: bool = False,
+):
     """Causal attention of ``q [B, T, Hq, D]`` at positions ``q_pos int [B, T]`` over the
     committed K/V of attention layer ``layer`` in the arena (``page_handles int [B, MP]``,
     ``-1`` = unmapped; ``kv_len int [B]``): query ``t`` sees keys ``j < kv_len[b]`` with
@@ -244,8 +294,8 @@ def paged_attention(
     tp = -(-t // bq) * bq
     q_p = jnp.pad(q, [(0, 0), (0, tp - t), (0, 0), (0, 0)])
     pos = jnp.pad(q_pos.astype(jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
-    kernel = _body(q, kv_heads, packed, False, page_handles.shape[1] * page_size, scale=scale,
-                   layer=layer, kv_offset=kv_offset, page_size=page_size)  # fmt: skip
+    static = dict(scale=scale, layer=layer, kv_offset=kv_offset, page_size=page_size)
+    kernel = _body(q, kv_heads, packed, False, page_handles.shape[1] * page_size, **static)
     whole = pl.BlockSpec(memory_space=None)
     q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, k: (i, k, h, 0))
     out = pl.pallas_call(

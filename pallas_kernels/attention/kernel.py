@@ -63,9 +63,10 @@ def _call_args(q_spec, shape, dtype, blocks: TreeAttentionBlocks, interpret: boo
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(shape, dtype),
         compiler_params=plt.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
-    )  # fmt: skip
+    )
 
 
 def _dot_nt(a, b, precision):

@@ -1,9 +1,9 @@
 """Chunked prefill of the gated delta rule as three Pallas kernels (chunk 64 on the H200).
 
 Only the state recurrence is sequential; the in-chunk solve and the outputs run in parallel over
-(chunk, value head), as in flash-linear-attention's chunk
-pipeline. Per chunk of ``C`` tokens with in-chunk cumulative log decay ``Gc`` and incoming state
-``S`` (DESIGN.md section 3, a chain tree)::
+(chunk, value head), as in flash-linear-attention's chunk pipeline. Per chunk of ``C`` tokens
+with in-chunk cumulative log decay ``Gc`` and incoming state ``S`` (the tree WY verify of a
+chain, docs/design.md)::
 
     A[i, j] = beta_i exp(Gc_i - Gc_j) k_i . k_j   (j < i),     T = (I + A)^-1
     W  = T diag(beta e^Gc) K,   Uv = T diag(beta) V            kernel 1, parallel ("intra")
@@ -433,9 +433,22 @@ def _state_kernel(*refs, names, chunk, block_k, dots, scale, use_l2norm):
 
 
 def _out_kernel(
-    start_ref, len_ref, q_ref, k_ref, gc_ref, rk_ref, u_ref, h_ref, o_ref,
-    *, chunk, block_k, scale, use_l2norm, dots,
-):  # fmt: skip
+    start_ref,
+    len_ref,
+    q_ref,
+    k_ref,
+    gc_ref,
+    rk_ref,
+    u_ref,
+    h_ref,
+    o_ref,
+    *,
+    chunk,
+    block_k,
+    scale,
+    use_l2norm,
+    dots,
+):
     """Kernel 3, one program per (chunk slot, value head, value-column block):
     ``O = diag(e^Gc) Q S + ((Q K^T) * D) U``, the key dimension in ``block_k`` column blocks."""
     c = pl.program_id(0)
@@ -595,16 +608,25 @@ def intra_call(cfg: _Launch, start, length, k, v, g, beta):
     ins += [("k", k, pl.BlockSpec((tp, None, dk), lambda i, h: (0, h // grp, 0)))]
     ins += [] if store_t else [("v", v, pl.BlockSpec((tp, None, dv), lambda i, h: (0, h, 0)))]
     ins += [("g", g, row_spec), ("beta", beta, row_spec)]
-    mat = lambda d: (pl.BlockSpec((None, None, c, d), lambda i, h: (i, h, 0, 0)),
-                     jax.ShapeDtypeStruct((n_slots, hv, c, d), F32))  # fmt: skip
-    vec = (pl.BlockSpec((None, None, c), lambda i, h: (i, h, 0)),
-           jax.ShapeDtypeStruct((n_slots, hv, c), F32))  # fmt: skip
+    mat = lambda d: (
+        pl.BlockSpec((None, None, c, d), lambda i, h: (i, h, 0, 0)),
+        jax.ShapeDtypeStruct((n_slots, hv, c, d), F32),
+    )
+    vec = (
+        pl.BlockSpec((None, None, c), lambda i, h: (i, h, 0)),
+        jax.ShapeDtypeStruct((n_slots, hv, c), F32),
+    )
     outs = [("tb", *mat(c))] if store_t else [("w", *mat(dk)), ("uv", *mat(dv))]
     outs += [("gc", *vec), ("rk", *vec)]
     kernel = functools.partial(
-        _intra_kernel, names=tuple(x[0] for x in ins + outs), chunk=c, sub=cfg.sub,
-        use_l2norm=cfg.use_l2norm, dots=cfg.dots, exact_v=cfg.exact_v,
-    )  # fmt: skip
+        _intra_kernel,
+        names=tuple(x[0] for x in ins + outs),
+        chunk=c,
+        sub=cfg.sub,
+        use_l2norm=cfg.use_l2norm,
+        dots=cfg.dots,
+        exact_v=cfg.exact_v,
+    )
     out = pl.pallas_call(
         kernel,
         grid=(n_slots, hv),
@@ -648,16 +670,27 @@ def state_call(cfg: _Launch, seq_first, seq_chunks, start, length, q, k, v, inte
         outs = [("o", tok_spec, jax.ShapeDtypeStruct((tp, hv, dv), out_dtype))]
     else:
         outs = [
-            ("u", u_spec,
-             jax.ShapeDtypeStruct((n_slots, hv, c, dv), BF16 if cfg.blocks.u_bf16 else F32)),
-            ("h", pl.BlockSpec((n_slots, None, dk, bvs), lambda s, h, j: (0, h, 0, j)),
-             jax.ShapeDtypeStruct((n_slots, hv, dk, dv), BF16 if cfg.blocks.h_bf16 else F32)),
-        ]  # fmt: skip
+            (
+                "u",
+                u_spec,
+                jax.ShapeDtypeStruct((n_slots, hv, c, dv), BF16 if cfg.blocks.u_bf16 else F32),
+            ),
+            (
+                "h",
+                pl.BlockSpec((n_slots, None, dk, bvs), lambda s, h, j: (0, h, 0, j)),
+                jax.ShapeDtypeStruct((n_slots, hv, dk, dv), BF16 if cfg.blocks.h_bf16 else F32),
+            ),
+        ]
     outs += [("sf", s_spec, jax.ShapeDtypeStruct((n_seq, hv, dk, dv), F32))]
     kernel = functools.partial(
-        _state_kernel, names=tuple(x[0] for x in ins + outs), chunk=c, block_k=cfg.bk,
-        dots=cfg.dots, scale=cfg.scale, use_l2norm=cfg.use_l2norm,
-    )  # fmt: skip
+        _state_kernel,
+        names=tuple(x[0] for x in ins + outs),
+        chunk=c,
+        block_k=cfg.bk,
+        dots=cfg.dots,
+        scale=cfg.scale,
+        use_l2norm=cfg.use_l2norm,
+    )
     out = pl.pallas_call(
         kernel,
         grid=(n_seq, hv, dv // bvs),
@@ -677,9 +710,13 @@ def out_call(cfg: _Launch, start, length, q, k, gc, rk, u, hst, out_dtype):
     dk, hv, dv, grp, bvo = q.shape[2], u.shape[1], u.shape[3], cfg.grp, cfg.bvo
     slots = pl.BlockSpec((n_slots,), lambda *_: (0,))
     kernel = functools.partial(
-        _out_kernel, chunk=c, block_k=cfg.bk, scale=cfg.scale, use_l2norm=cfg.use_l2norm,
+        _out_kernel,
+        chunk=c,
+        block_k=cfg.bk,
+        scale=cfg.scale,
+        use_l2norm=cfg.use_l2norm,
         dots=cfg.dots,
-    )  # fmt: skip
+    )
     return pl.pallas_call(
         kernel,
         grid=(n_slots, hv, dv // bvo),
@@ -702,9 +739,20 @@ def out_call(cfg: _Launch, start, length, q, k, gc, rk, u, hst, out_dtype):
 
 
 def prepare(
-    q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, chunk_size, cu_seqlens, blocks,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    *,
+    scale,
+    use_qk_l2norm,
+    chunk_size,
+    cu_seqlens,
+    blocks,
     interpret,
-):  # fmt: skip
+):
     """Checks the inputs (ValueError naming the argument) and returns ``(cfg, plan, flat)``:
     the launch facts, the chunk plan ``(start, length, seq_first, seq_chunks)`` and the inputs
     flattened over tokens ``(q, k [T', Hk, K], v [T', Hv, V], g, beta [T', Hv], S0 f32)``
@@ -777,9 +825,19 @@ def chunk_gated_delta_rule(
     b, t = k.shape[:2]
     hv, dv = v.shape[2], v.shape[3]
     cfg, (start, length, seq_first, seq_chunks), (q, k, v, g, beta, s0) = prepare(
-        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        chunk_size=chunk_size, cu_seqlens=cu_seqlens, blocks=blocks, interpret=interpret,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
+        blocks=blocks,
+        interpret=interpret,
+    )
     inter = intra_call(cfg, start, length, k, v, g, beta)
     res = state_call(cfg, seq_first, seq_chunks, start, length, q, k, v, inter, s0, v.dtype)
     if blocks.fuse_out:

@@ -21,14 +21,25 @@ from pallas_kernels.commit.kernel import (
 
 
 def tree_commit(
-    arena, table, handles, k, u, g_path, path, path_len, *, state_offset: int,
-    use_qk_l2norm: bool = False, blocks: CommitBlocks = DEFAULT_COMMIT_BLOCKS,
+    arena,
+    table,
+    handles,
+    k,
+    u,
+    g_path,
+    path,
+    path_len,
+    *,
+    state_offset: int,
+    use_qk_l2norm: bool = False,
+    blocks: CommitBlocks = DEFAULT_COMMIT_BLOCKS,
     interpret: bool = False,
-):  # fmt: skip
+):
     """:func:`pallas_kernels.commit.tree_commit` on the states in the arena, written in place: the
     returned arena is ``arena`` (aliased; donate it) with each valid row's state replaced."""
     t = prepare_commit_launch(
-        k, u, g_path, path, path_len, blocks, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+        k, u, g_path, path, path_len, blocks, use_qk_l2norm=use_qk_l2norm, interpret=interpret
+    )
     b, hv, dk, dv, bv = t.grid[0], t.grid[1], k.shape[3], u.shape[3], t.bv
     check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
 
@@ -46,7 +57,8 @@ def tree_commit(
         out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
         input_output_aliases={6: 0},
         compiler_params=plt.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name="gdn_tree_commit_arena",
     )(*t.args, handles.astype(jnp.int32), table.astype(jnp.int32), arena)

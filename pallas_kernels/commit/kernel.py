@@ -1,4 +1,5 @@
-"""Commit of an accepted chain of a verified draft tree (DESIGN.md section 3), in place.
+"""Commit of an accepted chain of a verified draft tree (docs/design.md, "Commit of an
+accepted chain"), in place.
 
     S_new = exp(G_last) S0 + K^T (c * U),   c_n = exp(G_last - G_n) if n on the path else 0
 
@@ -51,7 +52,7 @@ DEFAULT_COMMIT_BLOCKS = CommitBlocks()
 
 def _kernel(
     s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref, *, use_l2norm, precision, interpret, gather
-):  # fmt: skip
+):
     path = path_ref[...]  # [D], -1 past path_len
     d = path.shape[0]
     pos = jax.lax.broadcasted_iota(jnp.int32, (d,), 0)
@@ -158,7 +159,8 @@ def tree_commit(
     ``initial_state`` (f32) is aliased to the result: donate it to update in place.
     """
     t = prepare_commit_launch(
-        k, u, g_path, path, path_len, blocks, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+        k, u, g_path, path, path_len, blocks, use_qk_l2norm=use_qk_l2norm, interpret=interpret
+    )
     b, hv, dk, dv = t.grid[0], t.grid[1], k.shape[3], u.shape[3]
     s_spec = pl.BlockSpec((None, None, dk, t.bv), lambda i, h, j: (i, h, 0, j))
     return pl.pallas_call(

@@ -71,6 +71,11 @@ def _row_flags(name, x, b):
     return x.astype(jnp.int32)
 
 
+def _addressing(handles, table):
+    """``(handles, table)`` as the kernels' int32 operands."""
+    return handles.astype(jnp.int32), table.astype(jnp.int32)
+
+
 def delta_update(s, k, v, g, beta):
     """One token's update of a ``[K, block_v]`` f32 state tile: ``S = exp(g) S; S += k (beta
     (v - S^T k))^T`` with ``k [K]`` (prepared, f32), ``v [block_v]`` and scalars ``g, beta``."""
@@ -85,10 +90,23 @@ def readout(s, q):
 
 
 def recurrent_step(
-    q, k, v, g, beta, arena, table, handles, *, state_offset: int, scale: float | None = None,
-    use_qk_l2norm: bool = False, zero_state=None, block_v: int = 64, num_warps: int = 4,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    arena,
+    table,
+    handles,
+    *,
+    state_offset: int,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    zero_state=None,
+    block_v: int = 64,
+    num_warps: int = 4,
     interpret: bool = False,
-):  # fmt: skip
+):
     """One token of the gated delta rule per batch row on the arena's states, in place.
 
     Args:
@@ -110,8 +128,9 @@ def recurrent_step(
     grp = hv // hk
     scale = dk**-0.5 if scale is None else float(scale)
 
-    def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, zs_ref, hd_ref, tab_ref, ar_ref,
-               o_ref, out_ref):  # fmt: skip
+    def kernel(
+        q_ref, k_ref, v_ref, g_ref, beta_ref, zs_ref, hd_ref, tab_ref, ar_ref, o_ref, out_ref
+    ):
         i, h = pl.program_id(0), pl.program_id(1)
         ok, seg, idx = tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
         s = load_state(ar_ref, (ok & (zs_ref[i] == 0), seg, idx))  # [K, bv] f32
@@ -128,22 +147,37 @@ def recurrent_step(
         grid=(b, hv, dv // bv),
         in_specs=[vec_k, vec_k, vec_v, *[whole()] * 6],
         out_specs=(vec_v, whole()),
-        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct(arena.shape, arena.dtype)),  # fmt: skip
+        out_shape=(
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        ),
         input_output_aliases={8: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_recurrent_step_arena",
-    )(q, k, v, g.astype(F32), beta.astype(F32), zero_state,
-      handles.astype(jnp.int32), table.astype(jnp.int32), arena)  # fmt: skip
+    )(q, k, v, g.astype(F32), beta.astype(F32), zero_state, *_addressing(handles, table), arena)
     return o, arena
 
 
 def recurrent_prefill(
-    q, k, v, g, beta, arena, table, handles, *, state_offset: int, num_tokens=None,
-    scale: float | None = None, use_qk_l2norm: bool = False, zero_state=None,
-    block_v: int = 64, num_warps: int = 4, interpret: bool = False,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    arena,
+    table,
+    handles,
+    *,
+    state_offset: int,
+    num_tokens=None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    zero_state=None,
+    block_v: int = 64,
+    num_warps: int = 4,
+    interpret: bool = False,
+):
     """``T`` tokens of the gated delta rule per batch row on the arena's states, in place.
 
     Args:
@@ -176,8 +210,20 @@ def recurrent_prefill(
     q, k, v = (pad_axis(x, 1, tp) for x in (q, k, v))
     g, beta = (pad_axis(jnp.swapaxes(x.astype(F32), 1, 2), 2, tp) for x in (g, beta))
 
-    def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, nt_ref, zs_ref, hd_ref, tab_ref, ar_ref,
-               o_ref, out_ref):  # fmt: skip
+    def kernel(
+        q_ref,
+        k_ref,
+        v_ref,
+        g_ref,
+        beta_ref,
+        nt_ref,
+        zs_ref,
+        hd_ref,
+        tab_ref,
+        ar_ref,
+        o_ref,
+        out_ref,
+    ):
         i = pl.program_id(0)
         addr = tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
         ok, seg, idx = addr
@@ -203,12 +249,13 @@ def recurrent_prefill(
         grid=(b, hv, dv // bv),
         in_specs=[seq_k, seq_k, seq_v, seq_g, seq_g, *[whole()] * 5],
         out_specs=(seq_v, whole()),
-        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype),
-                   jax.ShapeDtypeStruct(arena.shape, arena.dtype)),  # fmt: skip
+        out_shape=(
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        ),
         input_output_aliases={9: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_recurrent_prefill_arena",
-    )(q, k, v, g, beta, num_tokens, zero_state, handles.astype(jnp.int32),
-      table.astype(jnp.int32), arena)  # fmt: skip
+    )(q, k, v, g, beta, num_tokens, zero_state, *_addressing(handles, table), arena)
     return (o[:, :t] if tp != t else o), arena

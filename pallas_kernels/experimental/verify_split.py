@@ -97,10 +97,13 @@ class SplitVerifyBlocks:
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
             raise ValueError(f"blocks.block_v: a power of two >= 16, got {self.block_v}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"blocks.precision: one of {tuple(PRECISIONS)}, got {self.precision!r}")
+            raise ValueError(
+                f"blocks.precision: one of {tuple(PRECISIONS)}, got {self.precision!r}"
+            )
         if self.inverse_precision not in ONE_PASS:
             raise ValueError(
-                f"blocks.inverse_precision: one of {tuple(ONE_PASS)}, got {self.inverse_precision!r}")
+                f"blocks.inverse_precision: one of {tuple(ONE_PASS)}, got {self.inverse_precision!r}"
+            )
         if not 0 <= self.refine_steps <= 4:
             raise ValueError(f"blocks.refine_steps: 0..4, got {self.refine_steps}")
 
@@ -136,9 +139,22 @@ def _is_low(qr, kr) -> bool:
 
 
 def _matrices_kernel(
-    q_ref, k_ref, g_ref, beta_ref, tree_ref, m_ref, p2_ref, gp_ref, ck_ref, cq_ref,
-    *, scale, use_l2norm, blocks: SplitVerifyBlocks, interpret,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    g_ref,
+    beta_ref,
+    tree_ref,
+    m_ref,
+    p2_ref,
+    gp_ref,
+    ck_ref,
+    cq_ref,
+    *,
+    scale,
+    use_l2norm,
+    blocks: SplitVerifyBlocks,
+    interpret,
+):
     """Kernel A: one (row, head). Everything that does not touch S0 or v."""
     x3 = dot_precision(blocks.precision, interpret)
     inv_p = _one_pass(blocks.inverse_precision, interpret)
@@ -184,9 +200,20 @@ def _matrices_kernel(
 
 
 def _apply_kernel(
-    q_ref, k_ref, v_ref, s0_ref, m_ref, p2_ref, ck_ref, cq_ref, o_ref, u_ref,
-    *, blocks: SplitVerifyBlocks, interpret,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    s0_ref,
+    m_ref,
+    p2_ref,
+    ck_ref,
+    cq_ref,
+    o_ref,
+    u_ref,
+    *,
+    blocks: SplitVerifyBlocks,
+    interpret,
+):
     """Kernel B: one (row, head, column block). Six dots, no inverse."""
     x3 = dot_precision(blocks.precision, interpret)
     qr, kr = q_ref[...], k_ref[...]
@@ -219,15 +246,26 @@ def _tree_operand(parents, ancestors, n: int, npad: int, blocks: SplitVerifyBloc
 def _check_common(n: int, blocks) -> None:
     if n > MAX_NODES:
         raise ValueError(
-            f"N: the Pallas tree_verify kernel supports at most {MAX_NODES} nodes, got {n}")
+            f"N: the Pallas tree_verify kernel supports at most {MAX_NODES} nodes, got {n}"
+        )
     if not isinstance(blocks, SplitVerifyBlocks):
         raise ValueError(f"blocks: a SplitVerifyBlocks, got {type(blocks).__name__}")
 
 
 def tree_verify_matrices(
-    q, k, v, g, beta, parents, *, scale=None, use_qk_l2norm=False,
-    blocks: SplitVerifyBlocks = DEFAULT_SPLIT_BLOCKS, ancestors=None, interpret=False,
-) -> SplitMatrices:  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    parents,
+    *,
+    scale=None,
+    use_qk_l2norm=False,
+    blocks: SplitVerifyBlocks = DEFAULT_SPLIT_BLOCKS,
+    ancestors=None,
+    interpret=False,
+) -> SplitMatrices:
     """Kernel A alone (``v`` only for the input checks). See :class:`SplitMatrices`."""
     b, n = k.shape[0], k.shape[1]
     hv = v.shape[2]
@@ -242,8 +280,12 @@ def tree_verify_matrices(
     nn = jax.ShapeDtypeStruct((b, hv, npad, npad), F32)
     rows = jax.ShapeDtypeStruct((b, hv, npad), F32)
     kernel = functools.partial(
-        _matrices_kernel, scale=t.scale, use_l2norm=use_qk_l2norm, blocks=blocks,
-        interpret=interpret)  # fmt: skip
+        _matrices_kernel,
+        scale=t.scale,
+        use_l2norm=use_qk_l2norm,
+        blocks=blocks,
+        interpret=interpret,
+    )
     out = pl.pallas_call(
         kernel,
         grid=(b, hv),
@@ -251,7 +293,8 @@ def tree_verify_matrices(
         out_specs=[nn_spec, nn_spec, gb_spec, row_spec, row_spec],
         out_shape=[nn, nn, jax.ShapeDtypeStruct((b, npad, hv), F32), rows, rows],
         compiler_params=plt.CompilerParams(
-            num_warps=blocks.num_warps_a, num_stages=blocks.num_stages),
+            num_warps=blocks.num_warps_a, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name="gdn_tree_verify_split_matrices",
     )(t.q, t.k, t.g, t.beta, tree)
@@ -259,9 +302,15 @@ def tree_verify_matrices(
 
 
 def tree_verify_apply(
-    q, k, v, initial_state, mats: SplitMatrices, *,
-    blocks: SplitVerifyBlocks = DEFAULT_SPLIT_BLOCKS, interpret=False,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    q,
+    k,
+    v,
+    initial_state,
+    mats: SplitMatrices,
+    *,
+    blocks: SplitVerifyBlocks = DEFAULT_SPLIT_BLOCKS,
+    interpret=False,
+) -> tuple[jax.Array, jax.Array]:
     """Kernel B alone: ``(o [B, N, Hv, V] in v's dtype, u f32 [B, N, Hv, V])`` from the
     :class:`SplitMatrices` of the same inputs."""
     b, n, hk, dk = k.shape
@@ -284,7 +333,8 @@ def tree_verify_apply(
             jax.ShapeDtypeStruct((b, npad, hv, dv), F32),
         ],
         compiler_params=plt.CompilerParams(
-            num_warps=blocks.num_warps_b, num_stages=blocks.num_stages),
+            num_warps=blocks.num_warps_b, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name="gdn_tree_verify_split_apply",
     )(q, k, v, initial_state, mats.m, mats.p2, mats.ck, mats.cq)
@@ -317,7 +367,17 @@ def tree_verify_split(
     dtype, u f32 [B, N, Hv, V], g_path f32 [B, N, Hv])``.
     """
     mats = tree_verify_matrices(
-        q, k, v, g, beta, parents, scale=scale, use_qk_l2norm=use_qk_l2norm, blocks=blocks,
-        ancestors=ancestors, interpret=interpret)  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        parents,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        blocks=blocks,
+        ancestors=ancestors,
+        interpret=interpret,
+    )
     o, u = tree_verify_apply(q, k, v, initial_state, mats, blocks=blocks, interpret=interpret)
     return o, u, mats.g_path[:, : k.shape[1]]

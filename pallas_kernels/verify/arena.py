@@ -25,10 +25,22 @@ from pallas_kernels.verify.kernel import (
 
 
 def tree_verify(
-    q, k, v, g, beta, parents, arena, table, handles, *, state_offset: int,
-    scale: float | None = None, use_qk_l2norm: bool = False,
-    blocks: VerifyBlocks = DEFAULT_VERIFY_BLOCKS, interpret: bool = False,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    parents,
+    arena,
+    table,
+    handles,
+    *,
+    state_offset: int,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    blocks: VerifyBlocks = DEFAULT_VERIFY_BLOCKS,
+    interpret: bool = False,
+):
     """:func:`pallas_kernels.verify.tree_verify` with ``S0[b]`` read from the arena: the f32
     ``[Hv, K, V]`` state at word ``table[handles[b], 1] + state_offset`` of segment
     ``table[handles[b], 0]``. Returns ``(o, u, g_path)``."""
@@ -43,25 +55,27 @@ def tree_verify(
     q, k, v, g, beta, parents = t[:6]
     npad, bv = t.npad, t.bv
     body = functools.partial(
-        refine_kernel, scale=t.scale, use_l2norm=use_qk_l2norm, blocks=blocks,
-        interpret=interpret)  # fmt: skip
+        refine_kernel, scale=t.scale, use_l2norm=use_qk_l2norm, blocks=blocks, interpret=interpret
+    )
 
-    def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, hd_ref, tab_ref, ar_ref,
-               o_ref, u_ref, gp_ref):  # fmt: skip
+    def kernel(
+        q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, hd_ref, tab_ref, ar_ref, o_ref, u_ref, gp_ref
+    ):
         addr = tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
         s0 = Value(load_state(ar_ref, addr))
         body(q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, s0, o_ref, u_ref, gp_ref)
 
     in_specs, out_specs, out_shape = verify_specs(t, v)
+    parents_spec = pl.BlockSpec((None, npad), lambda i, h, j: (i, 0))
     o, u, g_path = pl.pallas_call(
         kernel,
         grid=(b, hv, dv // bv),
-        in_specs=[*in_specs, pl.BlockSpec((None, npad), lambda i, h, j: (i, 0)),
-                  whole(), whole(), whole()],  # fmt: skip
+        in_specs=[*in_specs, parents_spec, whole(), whole(), whole()],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name="gdn_tree_verify_arena",
     )(q, k, v, g, beta, parents, handles.astype(jnp.int32), table.astype(jnp.int32), arena)

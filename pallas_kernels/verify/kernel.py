@@ -1,4 +1,5 @@
-"""Tree WY verification of a draft tree through one GDN layer (DESIGN.md section 3), fused.
+"""Tree WY verification of a draft tree through one GDN layer (docs/design.md, "Verify: one
+solve"), fused.
 
 One program per (batch row, value head, block of value columns). With the inclusive ancestor
 mask ``P`` (built in-kernel from the parent ids, or passed in precomputed)::
@@ -22,7 +23,8 @@ map. How the dots are spent (``VerifyBlocks.mode``):
   (~4e-3 for a bf16 ``T0``, ~5e-4 for tf32). ``((Q K^T) * D) U`` runs at ``precision`` too
   (``output_precision="x3"``; one tf32 pass measured no faster on the H200 and left a 1e-3
   relative error in a bf16 ``O``, against 1.3e-4 at x3).
-- ``"x3"``: the former kernel: every dot at ``precision`` (3 passes), the full doubling.
+- ``"x3"``: every dot at ``precision`` (3 passes) and the full doubling (``log2 N`` steps), no
+  refinement.
 """
 
 from __future__ import annotations
@@ -92,13 +94,17 @@ class VerifyBlocks:
         if self.mode not in ("refine", "x3"):
             raise ValueError(f"blocks.mode: 'refine' or 'x3', got {self.mode!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"blocks.precision: one of {tuple(PRECISIONS)}, got {self.precision!r}")
+            raise ValueError(
+                f"blocks.precision: one of {tuple(PRECISIONS)}, got {self.precision!r}"
+            )
         if self.inverse_precision not in ONE_PASS:
             raise ValueError(
-                f"blocks.inverse_precision: one of {tuple(ONE_PASS)}, got {self.inverse_precision!r}")
+                f"blocks.inverse_precision: one of {tuple(ONE_PASS)}, got {self.inverse_precision!r}"
+            )
         if self.output_precision not in ("auto", "tf32", "x3"):
             raise ValueError(
-                f"blocks.output_precision: 'auto', 'tf32' or 'x3', got {self.output_precision!r}")
+                f"blocks.output_precision: 'auto', 'tf32' or 'x3', got {self.output_precision!r}"
+            )
         if not 0 <= self.refine_steps <= 4:
             raise ValueError(f"blocks.refine_steps: 0..4, got {self.refine_steps}")
         if self.stop_after not in STAGES:
@@ -157,13 +163,27 @@ def _rows_scale(x, use_l2norm: bool, scale: float | None):
 
 
 def refine_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, anc_ref, s0_ref, o_ref, u_ref, gp_ref,
-    *, scale, use_l2norm, blocks: VerifyBlocks, interpret,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    anc_ref,
+    s0_ref,
+    o_ref,
+    u_ref,
+    gp_ref,
+    *,
+    scale,
+    use_l2norm,
+    blocks: VerifyBlocks,
+    interpret,
+):
     x3 = dot_precision(blocks.precision, interpret)
     inv_p = _one_pass(blocks.inverse_precision, interpret)
     out_x3 = blocks.output_precision == "x3" or (
-        blocks.output_precision == "auto" and o_ref.dtype == jnp.float32)
+        blocks.output_precision == "auto" and o_ref.dtype == jnp.float32
+    )
     out_p = x3 if out_x3 else _one_pass("tf32", interpret)
     qr, kr = q_ref[...], k_ref[...]
     low = qr.dtype == BF16 and kr.dtype == BF16
@@ -249,9 +269,22 @@ def refine_kernel(
 
 
 def _x3_kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, s0_ref, o_ref, u_ref, gp_ref,
-    *, scale, use_l2norm, blocks: VerifyBlocks, interpret,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    par_ref,
+    s0_ref,
+    o_ref,
+    u_ref,
+    gp_ref,
+    *,
+    scale,
+    use_l2norm,
+    blocks: VerifyBlocks,
+    interpret,
+):
     precision = dot_precision(blocks.precision, interpret)
     q = prep_rows(q_ref[...], use_l2norm, scale)
     k = prep_rows(k_ref[...], use_l2norm)
@@ -267,9 +300,16 @@ def _x3_kernel(
     g_path = jnp.sum(jnp.where(incl, g_ref[...].astype(F32)[None, :], 0.0), axis=1)
     decay = masked_decay(g_path[:, None], g_path[None, :], incl)
     o, u = wy_block(
-        q, k, v_ref[...].astype(F32), beta_ref[...].astype(F32), g_path, decay, strict,
-        s0_ref[...].astype(F32), precision,
-    )  # fmt: skip
+        q,
+        k,
+        v_ref[...].astype(F32),
+        beta_ref[...].astype(F32),
+        g_path,
+        decay,
+        strict,
+        s0_ref[...].astype(F32),
+        precision,
+    )
     o_ref[...] = o.astype(o_ref.dtype)
     u_ref[...] = u
     gp_ref[...] = g_path
@@ -361,7 +401,8 @@ def tree_verify(
 
     body = refine_kernel if blocks.mode == "refine" else _x3_kernel
     kernel = functools.partial(
-        body, scale=scale, use_l2norm=use_qk_l2norm, blocks=blocks, interpret=interpret)
+        body, scale=scale, use_l2norm=use_qk_l2norm, blocks=blocks, interpret=interpret
+    )
     tree = tree_input(parents, ancestors, n, blocks.ancestors_input)
     if blocks.ancestors_input:
         tree_spec = pl.BlockSpec((None, npad, npad), lambda i, h, j: (i, 0, 0))

@@ -1,7 +1,7 @@
 """Snapshot verification of a draft tree (the vLLM/SGLang method), as a fused Pallas kernel.
 
 The benchmark baseline for tree WY: node ``n`` (topological order) reloads its parent's full
-state from HBM (``S0`` above a root), applies one recurrence step (DESIGN.md section 2) and
+state from HBM (``S0`` above a root), applies one recurrence step (docs/design.md) and
 writes its own state::
 
     S = exp(g_n) S_parent;  u = beta_n (v_n - S^T k_n);  S_n = S + k_n u^T;  o_n = S_n^T q_n
@@ -33,9 +33,21 @@ class SnapshotBlocks:
 
 
 def _kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, par_ref, s0_ref, o_ref, snap_ref,
-    *, n_nodes, scale, use_l2norm, interpret,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    par_ref,
+    s0_ref,
+    o_ref,
+    snap_ref,
+    *,
+    n_nodes,
+    scale,
+    use_l2norm,
+    interpret,
+):
     s0 = s0_ref[...].astype(F32)
 
     def step(i, carry):

@@ -1,6 +1,7 @@
-"""Interpret-mode tests of the two-kernel tree verify (pallas_kernels/experimental/verify_split.py)
+"""The two-kernel tree verify (``pallas_kernels.experimental.verify_split``, interpret mode)
 against float64 numpy (M, P2, U, O built from their formulas, and the per-path recurrence), the
-fused Pallas verify and the XLA path. Tiny shapes: interpret mode is slow on the CPU."""
+fused Pallas verify, the XLA path and ``verify/reference.py``; its refinement, its input checks
+and its lowering to Triton for an H200. Tiny shapes: interpret mode is slow on the CPU."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pallas_kernels as pk
 from gdn_jax import tree_verify as gdn_tree_verify
 from pallas_kernels.experimental import verify_split as split
 from pallas_kernels.experimental.verify_split import tree_verify_apply, tree_verify_matrices
+from pallas_kernels.verify.reference import tree_verify_reference
 from tests.gdn_jax.reference import prep64, rel_err, tree64, tree_paths
 from tests.gdn_jax.strategies import TREE_KINDS, make_tree
-from tests.pallas_kernels.test_kernels import FIXED_TREE, TOL, _inputs
+from tests.pallas_kernels.common import FIXED_TREE, TOL, tree_inputs
 
 U_TOL = 2e-5  # U is f32 for every input dtype
 
@@ -53,17 +55,28 @@ def wy64(q, k, v, g, beta, parents, s0, *, use_qk_l2norm):
 
 def _run(inputs, parents, blocks=None, ancestors=None, l2=True):
     q, k, v, g, beta, s0 = inputs
-    return split.tree_verify_split(
-        q, k, v, g, beta, jnp.asarray(parents), s0, use_qk_l2norm=l2, interpret=True,
-        blocks=blocks or split.SplitVerifyBlocks(), ancestors=ancestors,
-    )  # fmt: skip
+    blocks = blocks or split.SplitVerifyBlocks()
+    kw = dict(use_qk_l2norm=l2, interpret=True, blocks=blocks, ancestors=ancestors)
+    return split.tree_verify_split(q, k, v, g, beta, jnp.asarray(parents), s0, **kw)
 
 
-def _check(parents, hk, hv, dk, dv, dtype, *, blocks=None, ancestors=None, seed=0,
-           decay="mild", fused=True, xla=False):  # fmt: skip
-    """The split verify against float64 (recurrence and WY formulas), optionally the fused
-    Pallas verify and the XLA path."""
-    inputs = _inputs(parents, hk, hv, dk, dv, dtype, seed, decay)
+def _check(
+    parents,
+    heads,
+    dtype,
+    *,
+    blocks=None,
+    ancestors=None,
+    seed=0,
+    decay="mild",
+    fused=True,
+    xla=False,
+):
+    """The split verify against float64 (recurrence and WY formulas) and
+    ``verify/reference.py``, optionally the fused Pallas verify and the XLA path; ``heads`` is
+    ``(Hk, Hv, K, V)``."""
+    hv, dv = heads[1], heads[3]
+    inputs = tree_inputs(parents, *heads, dtype, seed, decay)
     o, u, g_path = _run(inputs, parents, blocks, ancestors)
     b, n = parents.shape
     chex.assert_shape((o, u), (b, n, hv, dv))
@@ -77,9 +90,16 @@ def _check(parents, hk, hv, dk, dv, dtype, *, blocks=None, ancestors=None, seed=
     assert rel_err(o64w[real], o64[real]) < 1e-9  # the two float64 references agree
     assert rel_err(o[real], o64[real]) < TOL[dtype]
     assert rel_err(u[real], u64[real]) < U_TOL
+    o_r, u_r, g_r = tree_verify_reference(
+        *inputs[:5], jnp.asarray(parents), inputs[5], use_qk_l2norm=True
+    )
+    assert rel_err(o[real], np.asarray(o_r)[real]) < TOL[dtype]
+    assert rel_err(u[real], np.asarray(u_r)[real]) < U_TOL
+    assert rel_err(np.asarray(g_path)[real], np.asarray(g_r)[real]) < 1e-6
     if fused:
         of, uf, gf = pk.tree_verify(
-            *inputs[:5], jnp.asarray(parents), inputs[5], use_qk_l2norm=True, interpret=True)
+            *inputs[:5], jnp.asarray(parents), inputs[5], use_qk_l2norm=True, interpret=True
+        )
         assert rel_err(o[real], np.asarray(of)[real]) < TOL[dtype]
         assert rel_err(u[real], np.asarray(uf)[real]) < U_TOL
         np.testing.assert_allclose(np.asarray(g_path)[real], np.asarray(gf)[real], rtol=1e-6)
@@ -94,16 +114,17 @@ def _check(parents, hk, hv, dk, dv, dtype, *, blocks=None, ancestors=None, seed=
 def test_matrices_match_float64(dtype):
     """Kernel A alone: M = (I + A)^-1 diag(beta) and P2 = (Q K^T) * D to f32 level, on a forest
     with a padding node and a chain, grouped heads (Hk 1, Hv 2); the padded rows are zero."""
-    inputs = _inputs(FIXED_TREE, 1, 2, 16, 16, dtype, seed=1, decay="mixed")
+    inputs = tree_inputs(FIXED_TREE, 1, 2, 16, 16, dtype, seed=1, decay="mixed")
     q, k, v, g, beta, s0 = inputs
-    mats = tree_verify_matrices(
-        q, k, v, g, beta, jnp.asarray(FIXED_TREE), use_qk_l2norm=True, interpret=True)
+    par = jnp.asarray(FIXED_TREE)
+    mats = tree_verify_matrices(q, k, v, g, beta, par, use_qk_l2norm=True, interpret=True)
     m64, p64, _, _ = wy64(*inputs[:5], FIXED_TREE, s0, use_qk_l2norm=True)
     n = FIXED_TREE.shape[1]
     chex.assert_shape((mats.m, mats.p2), (2, 2, 16, 16))
     assert rel_err(np.asarray(mats.m)[..., :n, :n], m64) < 1e-6
     assert rel_err(np.asarray(mats.p2)[..., :n, :n], p64) < 1e-6
-    assert not np.any(np.asarray(mats.m)[..., n:, :]) and not np.any(np.asarray(mats.p2)[..., n:, :])
+    assert not np.any(np.asarray(mats.m)[..., n:, :])
+    assert not np.any(np.asarray(mats.p2)[..., n:, :])
 
 
 @pytest.mark.parametrize(
@@ -115,11 +136,11 @@ def test_matrices_match_float64(dtype):
         (jnp.bfloat16, 1, 2, 16, 32, 32, "xla"),  # ancestors_input, mask made per call
     ],
 )
-def test_split_fixed_tree(dtype, hk, hv, dk, dv, block_v, ancestors):
+def test_fixed_tree(dtype, hk, hv, dk, dv, block_v, ancestors):
     """Forest with padding + chain vs float64, the fused kernel and XLA (f32 and bf16)."""
     bl = split.SplitVerifyBlocks(block_v=block_v, ancestors_input=ancestors is not None)
     anc = pk.ancestor_mask(jnp.asarray(FIXED_TREE)) if ancestors == "mask" else None
-    _check(FIXED_TREE, hk, hv, dk, dv, dtype, blocks=bl, ancestors=anc, xla=True)
+    _check(FIXED_TREE, (hk, hv, dk, dv), dtype, blocks=bl, ancestors=anc, xla=True)
 
 
 @settings(max_examples=4, deadline=None)
@@ -130,29 +151,32 @@ def test_split_fixed_tree(dtype, hk, hv, dk, dv, block_v, ancestors):
     dtype=st.sampled_from([np.float32, jnp.bfloat16]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_split_random_trees(kind, n, heads, dtype, seed):
+def test_random_trees(kind, n, heads, dtype, seed):
     rng = np.random.default_rng(seed)
     parents = np.stack([make_tree(kind, n, rng), make_tree("random", n, rng)])
-    _check(parents, *heads, dtype, blocks=split.SplitVerifyBlocks(block_v=16), seed=seed % 1000,
-           decay="mixed", fused=False)  # fmt: skip
+    bl = split.SplitVerifyBlocks(block_v=16)
+    _check(parents, heads, dtype, blocks=bl, seed=seed % 1000, decay="mixed", fused=False)
 
 
 def test_refinement_and_wrong_m_fail():
     """The checks catch a wrong M: no refinement of the (interpret-mode bf16) approximate
     inverse, or a perturbed M handed to kernel B, leave U far outside the tolerance."""
-    inputs = _inputs(FIXED_TREE, 1, 2, 16, 16, np.float32, seed=2)
+    inputs = tree_inputs(FIXED_TREE, 1, 2, 16, 16, np.float32, seed=2)
     q, k, v, g, beta, s0 = inputs
     par = jnp.asarray(FIXED_TREE)
     real = FIXED_TREE >= -1
     _, _, u64, o64 = wy64(*inputs[:5], FIXED_TREE, s0, use_qk_l2norm=True)
-    err = lambda o, u: (rel_err(np.asarray(o)[real], o64[real]),
-                        rel_err(np.asarray(u)[real], u64[real]))  # fmt: skip
-    bl0 = split.SplitVerifyBlocks(refine_steps=0)
-    bl1 = split.SplitVerifyBlocks(refine_steps=1)
-    mats0 = tree_verify_matrices(q, k, v, g, beta, par, use_qk_l2norm=True, blocks=bl0,
-                                 interpret=True)  # fmt: skip
-    mats1 = tree_verify_matrices(q, k, v, g, beta, par, use_qk_l2norm=True, blocks=bl1,
-                                 interpret=True)  # fmt: skip
+
+    def err(o, u):
+        return rel_err(np.asarray(o)[real], o64[real]), rel_err(np.asarray(u)[real], u64[real])
+
+    def matrices(refine_steps):
+        bl = split.SplitVerifyBlocks(refine_steps=refine_steps)
+        return tree_verify_matrices(
+            q, k, v, g, beta, par, use_qk_l2norm=True, blocks=bl, interpret=True
+        )
+
+    mats0, mats1 = matrices(0), matrices(1)
     assert max(err(*tree_verify_apply(q, k, v, s0, mats0, interpret=True))) > 4 * U_TOL
     o1, u1 = tree_verify_apply(q, k, v, s0, mats1, interpret=True)
     assert max(err(o1, u1)) < U_TOL
@@ -162,6 +186,15 @@ def test_refinement_and_wrong_m_fail():
     assert err(o2, u2)[1] > 3 * U_TOL
     o3, _ = tree_verify_apply(q, k, v, s0, mats1._replace(p2=off(mats1.p2)), interpret=True)
     assert err(o3, u1)[0] > 5 * TOL[np.float32]
+
+
+BAD_KNOBS = [
+    dict(block_v=24),
+    dict(block_v=8),
+    dict(precision="f64"),
+    dict(inverse_precision="x3"),
+    dict(refine_steps=5),
+]
 
 
 def test_errors():
@@ -183,18 +216,17 @@ def test_errors():
         run(q8.astype(jnp.int32), q8, v8, g8, g8, p8, s0)
     with pytest.raises(ValueError, match="multiple of key heads"):
         q2 = jnp.zeros((1, 8, 2, 16))
-        run(q2, q2, jnp.zeros((1, 8, 3, 16)), jnp.zeros((1, 8, 3)), jnp.zeros((1, 8, 3)), p8,
-            jnp.zeros((1, 3, 16, 16)))  # fmt: skip
+        g3 = jnp.zeros((1, 8, 3))
+        run(q2, q2, jnp.zeros((1, 8, 3, 16)), g3, g3, p8, jnp.zeros((1, 3, 16, 16)))
     mask = pk.ancestor_mask(p8)
     with pytest.raises(ValueError, match="ancestors: only used"):
         run(q8, q8, v8, g8, g8, p8, s0, ancestors=mask)
     with pytest.raises(ValueError, match="ancestors: shape"):
-        run(q8, q8, v8, g8, g8, p8, s0, ancestors=mask[:, :5],
-            blocks=split.SplitVerifyBlocks(ancestors_input=True))  # fmt: skip
+        bl = split.SplitVerifyBlocks(ancestors_input=True)
+        run(q8, q8, v8, g8, g8, p8, s0, ancestors=mask[:, :5], blocks=bl)
     with pytest.raises(ValueError, match="blocks: a SplitVerifyBlocks"):
         run(q8, q8, v8, g8, g8, p8, s0, blocks=pk.VerifyBlocks())
-    for bad in (dict(block_v=24), dict(block_v=8), dict(precision="f64"),
-                dict(inverse_precision="x3"), dict(refine_steps=5)):  # fmt: skip
+    for bad in BAD_KNOBS:
         with pytest.raises(ValueError, match="blocks."):
             split.SplitVerifyBlocks(**bad)
 
@@ -214,11 +246,11 @@ def test_lowers_to_triton_for_h200(monkeypatch, dtype, precision):
     import jax
 
     monkeypatch.setattr(pcr.gpu_info_lib, "get_gpu_info", lambda: info)
-    inputs = _inputs(FIXED_TREE, 2, 4, 32, 32, dtype)
+    inputs = tree_inputs(FIXED_TREE, 2, 4, 32, 32, dtype)
     par = jnp.asarray(FIXED_TREE)
     for ai in (False, True):
         bl = split.SplitVerifyBlocks(precision=precision, ancestors_input=ai, block_v=16)
         f = lambda *a, bl=bl: split.tree_verify_split(*a, use_qk_l2norm=True, blocks=bl)
-        text = jax.jit(f).trace(*inputs[:5], par, inputs[5]).lower(
-            lowering_platforms=("cuda",)).as_text()  # fmt: skip
+        traced = jax.jit(f).trace(*inputs[:5], par, inputs[5])
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2

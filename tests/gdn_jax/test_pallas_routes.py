@@ -1,0 +1,75 @@
+"""gdn_jax's routes to the Pallas kernels (``gdn_jax.pallas_routes``): ``impl="pallas"`` of the
+tree verify, the commit and the chunked prefill (interpret mode on CPU) give the XLA path's
+results, and ``impl="auto"`` takes the Pallas commit only where it was measured faster."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_jax import chunk_gated_delta_rule, tree_commit, tree_verify
+from gdn_jax.dispatch import AUTO_PALLAS
+from gdn_jax.pallas_routes import AUTO_COMMIT_MIN_ROWS
+from tests.gdn_jax.reference import rel_err
+from tests.gdn_jax.strategies import make_inputs
+
+# row 0: a forest (two roots) with a padding node; row 1: a chain
+FIXED_TREE = np.array(
+    [[-1, 0, 0, 1, 1, 2, -1, 6, 7, -2], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8]], np.int32
+)
+
+
+def _inputs(b, t, seed):
+    """Random f32 ``q, k [B, T, 1, 16]``, ``v [B, T, 2, 16]``, ``g, beta [B, T, 2]``, ``S0``."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(x) for x in make_inputs(rng, b, t, 1, 2, 16, 16))
+
+
+def test_routes_match_xla():
+    """``impl="pallas"`` goes through gdn_jax.pallas_routes (interpret mode on CPU)."""
+    q, k, v, g, beta, s0 = _inputs(*FIXED_TREE.shape, seed=3)
+    tree = (q, k, v, g, beta, FIXED_TREE, s0)
+    o, cache = tree_verify(*tree, use_qk_l2norm=True, impl="pallas")
+    ox, cx = tree_verify(*tree, use_qk_l2norm=True, impl="xla")
+    real = FIXED_TREE >= -1
+    assert rel_err(np.asarray(o)[real], np.asarray(ox)[real]) < 2e-5
+    path, plen = np.array([[0, 1, 3], [0, 1, 2]], np.int32), np.array([3, 2], np.int32)
+    s = tree_commit(s0, cache, path, plen, impl="pallas")
+    sx = tree_commit(s0, cx, path, plen, impl="xla")
+    assert rel_err(s, sx) < 2e-5
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_chunk_route_matches_xla(final):
+    """``impl="pallas"`` of the chunked prefill goes to the three-kernel prefill (interpret)."""
+    q, k, v, g, beta, _ = _inputs(1, 40, seed=8)
+    cu = jnp.asarray([0, 7, 40], jnp.int32)
+    s0 = jnp.asarray(np.random.default_rng(9).normal(size=(2, 2, 16, 16)), jnp.float32)
+    kw = dict(use_qk_l2norm=True, chunk_size=16, cu_seqlens=cu, output_final_state=final)
+    o, sf = chunk_gated_delta_rule(q, k, v, g, beta, s0, impl="pallas", **kw)
+    ox, sx = chunk_gated_delta_rule(q, k, v, g, beta, s0, impl="xla", **kw)
+    assert rel_err(o, ox) < 2e-5
+    if final:
+        assert rel_err(sf, sx) < 2e-5
+    else:
+        assert sf is None and sx is None
+
+
+def test_auto_commit_route_thresholds():
+    """``impl="auto"`` on GPU takes the Pallas commit only for N <= 64 and B x Hv >= 1024 rows
+    (where the H200 timed it faster than XLA)."""
+
+    def cache(b, n, hv):
+        k = jax.ShapeDtypeStruct((b, n, 16, 128), jnp.bfloat16)
+        u = jax.ShapeDtypeStruct((b, n, hv, 128), jnp.float32)
+        return types.SimpleNamespace(k=k, u=u)
+
+    fits = AUTO_PALLAS["tree_commit"]
+    assert AUTO_COMMIT_MIN_ROWS == 1024
+    assert fits(cache(64, 64, 32)) and fits(cache(16, 64, 64))
+    assert not fits(cache(1, 64, 64)) and not fits(cache(16, 64, 32))
+    assert not fits(cache(64, 128, 32))

@@ -1,0 +1,260 @@
+"""The tree verify kernels (``pallas_kernels.verify``, interpret mode): the fused kernel
+(``kernel.py``) against float64 numpy, the gdn_jax XLA path and ``verify/reference.py``; the
+arena kernel (``arena.py``) against its reference and its input checks; the snapshot kernel
+(``snapshot.py``); the node and shape limits; and ``verify/reference.py`` itself against the
+float64 numpy reference.
+
+Shapes are tiny (interpret mode runs the kernel body op by op on the CPU): K, V in {16, 32},
+N <= 16, a handful of hypothesis examples over random trees.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pallas_kernels as pk
+from pallas_kernels.verify import arena as verify_arena
+from pallas_kernels.verify.reference import (
+    snapshot_verify_reference,
+    tree_verify_arena_reference,
+    tree_verify_reference,
+)
+from tests.gdn_jax.reference import prep64, rel_err, tree64
+from tests.gdn_jax.strategies import head_shapes, make_tree, trees
+from tests.pallas_kernels.common import (
+    FIXED_TREE,
+    OFFSET,
+    TOL,
+    WORDS,
+    arena_tree_setup,
+    check_verify,
+    tree_inputs,
+)
+
+
+@pytest.mark.parametrize(
+    "hk, hv, dk, dv, dtype, l2",
+    [(1, 2, 16, 16, np.float32, True), (2, 2, 16, 32, jnp.bfloat16, False)],
+)
+def test_fixed_tree(hk, hv, dk, dv, dtype, l2):
+    """A forest with a padding node and a chain, grouped heads, K != V, bf16 inputs."""
+    check_verify(FIXED_TREE, hk, hv, dk, dv, dtype, l2)
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    kind=st.sampled_from(["random", "forest", "padded", "star"]),
+    n=st.sampled_from([5, 16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_trees(kind, n, seed):
+    parents = make_tree(kind, n, np.random.default_rng(seed))[None]
+    check_verify(parents, 1, 2, 16, 16, np.float32, True, decay="mixed", seed=seed % 1000)
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        pk.VerifyBlocks(mode="x3"),
+        pk.VerifyBlocks(ancestors_input=True, block_v=16),
+        pk.VerifyBlocks(depth_loop=False, refine_steps=0, output_precision="tf32"),
+        pk.VerifyBlocks(refine_steps=2, inverse_precision="bf16", precision="bf16x3"),
+    ],
+    ids=["x3", "ancestors-input", "static-doubling", "bf16-inverse"],
+)
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_variants(blocks, dtype):
+    """Every VerifyBlocks variant gives the same O and U (chain + forest with padding)."""
+    check_verify(FIXED_TREE, 1, 2, 16, 32, dtype, True, blocks=blocks)
+
+
+def test_precomputed_ancestors():
+    """A precomputed ancestor mask (padded here from N 10 to 16) gives the same bits as the
+    kernel's own; misuse raises ValueError."""
+    q, k, v, g, beta, s0 = tree_inputs(FIXED_TREE, 1, 2, 16, 16, np.float32, seed=3)
+    par = jnp.asarray(FIXED_TREE)
+    bl = pk.VerifyBlocks(ancestors_input=True)
+
+    def run(**kw):
+        return pk.tree_verify(q, k, v, g, beta, par, s0, use_qk_l2norm=True, interpret=True, **kw)
+
+    mask = pk.ancestor_mask(par)
+    for got, want in zip(run(blocks=bl, ancestors=mask), run(blocks=bl), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="ancestors"):
+        run(blocks=bl, ancestors=mask[:, :5])
+    with pytest.raises(ValueError, match="ancestors"):
+        run(ancestors=mask)
+
+
+def test_depth_loop_deep_chain():
+    """A 40-node chain needs all six doublings of the depth-adaptive inverse."""
+    parents = (np.arange(40, dtype=np.int32) - 1)[None]
+    check_verify(parents, 1, 1, 16, 16, np.float32, True, decay="mixed", seed=11)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(mode="fast"),
+        dict(precision="f64"),
+        dict(inverse_precision="x3"),
+        dict(output_precision="bf16"),
+        dict(refine_steps=9),
+    ],
+)
+def test_blocks_reject_bad_knobs(bad):
+    with pytest.raises(ValueError, match="blocks."):
+        pk.VerifyBlocks(**bad)
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    parents=trees(n=16, kinds=("random", "forest", "padded")),
+    heads=st.sampled_from([(1, 2, 16, 16), (2, 2, 16, 32)]),
+    dtype=st.sampled_from([np.float32, jnp.bfloat16]),
+    l2=st.booleans(),
+    seed=st.integers(0, 999),
+)
+def test_matches_reference(parents, heads, dtype, l2, seed):
+    """The fused kernel equals ``verify/reference.py`` (o, u, g_path) on the real nodes."""
+    parents = parents[None]
+    inputs = tree_inputs(parents, *heads, dtype, seed=seed, decay="mixed")
+    par = jnp.asarray(parents)
+    got = pk.tree_verify(*inputs[:5], par, inputs[5], use_qk_l2norm=l2, interpret=True)
+    want = tree_verify_reference(*inputs[:5], par, inputs[5], use_qk_l2norm=l2)
+    chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
+    real = parents >= -1
+    o, u, g_path = (np.asarray(x, np.float32)[real] for x in got)
+    o_r, u_r, g_r = (np.asarray(x, np.float32)[real] for x in want)
+    assert rel_err(o, o_r) < TOL[dtype]
+    assert rel_err(u, u_r) < 2e-5
+    assert rel_err(g_path, g_r) < 1e-6
+
+
+def _u_and_g_path64(q, k, v, g, beta, parents, s0, states64, l2):
+    """float64 ``u [B, N, Hv, V]`` and ``g_path [B, N, Hv]`` of every real node from its
+    parent's float64 state (``S0`` above a root)."""
+    _, k = prep64(q, k, None, l2)
+    v, g, beta, s0 = (np.asarray(x, np.float64) for x in (v, g, beta, s0))
+    b, n, hv, dv = v.shape
+    grp = hv // k.shape[2]
+    u, g_path = np.zeros((b, n, hv, dv)), np.zeros((b, n, hv))
+    for r in range(b):
+        for i, p in enumerate(parents[r]):
+            if p == -2:
+                continue
+            s_par = s0[r] if p == -1 else states64[r, p]
+            g_path[r, i] = g[r, i] + (g_path[r, p] if p >= 0 else 0.0)
+            for h in range(hv):
+                s = np.exp(g[r, i, h]) * s_par[h]
+                u[r, i, h] = beta[r, i, h] * (v[r, i, h] - s.T @ k[r, i, h // grp])
+    return u, g_path
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    parents=trees(),
+    heads=head_shapes(),
+    decay=st.sampled_from(["mild", "strong", "mixed"]),
+    l2=st.booleans(),
+    seed=st.integers(0, 999),
+)
+def test_reference_matches_float64(parents, heads, decay, l2, seed):
+    """``verify/reference.py`` (o, u, g_path and the per-node states) equals the float64
+    recurrence along every node's path."""
+    parents = np.stack([parents, make_tree("chain", len(parents), np.random.default_rng())])
+    inputs = tree_inputs(parents, *heads, np.float32, seed=seed, decay=decay)
+    par = jnp.asarray(parents)
+    o, u, g_path = tree_verify_reference(*inputs[:5], par, inputs[5], use_qk_l2norm=l2)
+    o_s, states = snapshot_verify_reference(*inputs[:5], par, inputs[5], use_qk_l2norm=l2)
+    o64, states64 = tree64(*inputs[:5], parents, inputs[5], use_qk_l2norm=l2)
+    u64, g64 = _u_and_g_path64(*inputs[:5], parents, inputs[5], states64, l2)
+    real = parents >= -1
+    chex.assert_tree_all_finite((o, u, g_path, states))  # padding nodes too
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_s))
+    assert rel_err(np.asarray(o)[real], o64[real]) < 1e-5
+    assert rel_err(np.asarray(u)[real], u64[real]) < 1e-5
+    assert rel_err(np.asarray(g_path)[real], g64[real]) < 1e-6
+    assert rel_err(np.asarray(states)[real], states64[real]) < 1e-5
+
+
+def test_snapshot():
+    """The snapshot kernel's outputs and per-node states against float64 and
+    ``verify/reference.py``."""
+    q, k, v, g, beta, s0 = tree_inputs(FIXED_TREE, 1, 2, 16, 16, np.float32, seed=4)
+    par = jnp.asarray(FIXED_TREE)
+    o, snaps = pk.snapshot_verify(q, k, v, g, beta, par, s0, use_qk_l2norm=True, interpret=True)
+    o64, states64 = tree64(q, k, v, g, beta, FIXED_TREE, s0, use_qk_l2norm=True)
+    real = FIXED_TREE >= -1
+    assert rel_err(np.asarray(o)[real], o64[real]) < 2e-5
+    assert rel_err(np.asarray(snaps)[real], states64[real]) < 2e-5
+    o_r, states_r = snapshot_verify_reference(q, k, v, g, beta, par, s0, use_qk_l2norm=True)
+    assert rel_err(np.asarray(o)[real], np.asarray(o_r)[real]) < 2e-5
+    assert rel_err(np.asarray(snaps)[real], np.asarray(states_r)[real]) < 2e-5
+
+
+def test_arena_matches_reference():
+    """The arena kernel (states read through the handle table, row 1 padding) equals
+    ``tree_verify_arena_reference`` on the real nodes."""
+    tree, arena, table, handles, _ = arena_tree_setup(2, np.float32)
+    addr = (jnp.asarray(arena), jnp.asarray(table), jnp.asarray(handles))
+    kw = dict(state_offset=OFFSET, use_qk_l2norm=True)
+    got = verify_arena.tree_verify(*tree, *addr, interpret=True, **kw)
+    want = tree_verify_arena_reference(*tree, *addr, **kw)
+    real = np.asarray(tree[-1]) >= -1
+    for x, y, tol in zip(got, want, (2e-5, 2e-5, 1e-6), strict=True):
+        assert rel_err(np.asarray(x)[real], np.asarray(y)[real]) < tol
+
+
+def test_arena_bad_inputs_raise():
+    tree, arena, table, handles, _ = arena_tree_setup(1, np.float32)
+    a, t, h = jnp.asarray(arena), jnp.asarray(table), jnp.asarray(handles)
+
+    def run(*addr, offset=OFFSET, **kw):
+        return verify_arena.tree_verify(*tree, *addr, state_offset=offset, interpret=True, **kw)
+
+    with pytest.raises(ValueError, match="arena:"):
+        run(a.astype(jnp.int32), t, h)
+    with pytest.raises(ValueError, match="table:"):
+        run(a, t[:, :1], h)
+    with pytest.raises(ValueError, match="handles:"):
+        run(a, t, h[:2])
+    with pytest.raises(ValueError, match="state_offset:"):
+        run(a, t, h, offset=WORDS - 10)
+    with pytest.raises(ValueError, match="blocks:"):
+        run(a, t, h, blocks=pk.VerifyBlocks(mode="x3"))
+
+
+def _zeros(n, k=16, v=16):
+    """Zero ``q, v [1, n, 1, *]``, ``g [1, n, 1]`` and a chain's parents (the limit checks
+    raise before any value is read)."""
+    q, vv = jnp.zeros((1, n, 1, k)), jnp.zeros((1, n, 1, v))
+    return q, vv, jnp.zeros((1, n, 1)), jnp.arange(n, dtype=jnp.int32)[None] - 1
+
+
+def test_limits_raise():
+    s0 = jnp.zeros((1, 1, 16, 16))
+    q, v, g, par = _zeros(129)
+    with pytest.raises(ValueError, match="at most 128 nodes"):
+        pk.tree_verify(q, q, v, g, g, par, s0, interpret=True)
+    q, v, g, par = _zeros(8, k=12)
+    with pytest.raises(ValueError, match="K: .*power of two"):
+        pk.tree_verify(q, q, v, g, g, par, s0, interpret=True)
+    q, v, g, par = _zeros(8)
+    qi = q.astype(jnp.int32)
+    with pytest.raises(ValueError, match="q: .*float32, bfloat16"):
+        pk.tree_verify(qi, qi, v, g, g, par, s0, interpret=True)
+
+
+def test_gpu_limits_raise_before_lowering():
+    """The GPU builds' shared-memory limits are ValueErrors naming the limit (no device needed)."""
+    q, v, g, par = _zeros(65)
+    x3 = pk.VerifyBlocks(mode="x3")
+    with pytest.raises(ValueError, match="x3-mode .* at most 64 nodes"):
+        pk.tree_verify(q, q, v, g, g, par, jnp.zeros((1, 1, 16, 16)), blocks=x3)
