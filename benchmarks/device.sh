@@ -10,7 +10,7 @@
 # /tmp/site first; only the `chunk` step uses them.
 #
 # Steps (benchmark: what):
-#   gpu_tests           tests: the engine and arena-kernel tests on the GPU (~390 s)
+#   gpu_tests           tests: the engine's arena-kernel tests and impl="pallas" routes, compiled
 #   verify_grid         kernels: tree verify, Hv {32, 64} x B {1, 16, 64} x N {8, 32, 64}, trees
 #                       and chains, against XLA, the snapshot kernel and the floor
 #   verify_grid_n128    kernels: the same at N = 128, no chains (an N = 128 kernel compiles ~30 s)
@@ -66,8 +66,7 @@ step() {
   gpu_tests)
     TAILN=15 run 560 gpu_tests h200 python3 -m pytest -q -p no:cacheprovider --durations=8 \
       tests/serving/test_arena_kernels_engine.py tests/serving/test_arena_draft.py \
-      tests/pallas_kernels/test_arena_attention.py tests/pallas_kernels/test_arena_decode.py \
-      tests/pallas_kernels/test_arena_prefill.py
+      tests/gdn_jax/test_pallas_routes.py
     ;;
   verify_grid)
     TAILN=30 run 560 kernels verify_grid "${KERNELS_PY[@]}" --ops verify --reps 5 --chains \

@@ -8,7 +8,7 @@ row's length are ignored). A query at position ``p`` of row ``b`` sees
 - draft keys ``m`` with ``draft_mask[b, t, m]`` (a tree node sees the draft K/V of its path).
 
 Scores in f32, ``softmax(q k^T * scale)`` over both sets together; GQA without repeating K/V.
-The Pallas kernel in ``pallas_kernels/tree_attention.py`` computes the same thing.
+The Pallas kernel in ``pallas_kernels/attention/kernel.py`` computes the same thing.
 """
 
 from __future__ import annotations
