@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from gdn_jax.dispatch import AUTO_PALLAS, PALLAS_OPS
 from gdn_jax.tree_wy import TreeCache
+from pallas_kernels import moe as moe_kernels
 
 AUTO_MAX_NODES = 64
 # store_t: the intra kernel stores T diag(beta) instead of W and U (1.26x / 1.22x faster on the
@@ -122,3 +123,38 @@ AUTO_PALLAS.update(
     tree_verify=_fits_gpu_kernel,
     tree_commit=_commit_auto,
 )
+
+
+# ------------------------------------------------------------------ routed experts (MoE FFN)
+# pallas_kernels.moe: the small-M kernels (each touched expert's weights read once; no routing
+# plan in XLA) up to MOE_SMALL_M.max_pairs token-expert pairs, the Triton grouped GEMM beyond.
+MOE_SMALL_M = moe_kernels.SmallMBlocks()
+MOE_GROUPED = moe_kernels.GroupedBlocks()
+# "auto" takes the MoE kernels only up to this many tokens, where they were measured faster than
+# the XLA path on the H200 (python -m benchmarks.moe); 0: never.
+AUTO_MOE_MAX_TOKENS = 0
+
+
+def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj):
+    """``out [M, H]`` of the routed experts (see :func:`gdn_jax.routed_experts`): the small-M
+    kernels when ``M * k <= MOE_SMALL_M.max_pairs``, else the grouped kernels."""
+    args = (x, weights, experts, gate_proj, up_proj, down_proj)
+    if experts.shape[0] * experts.shape[1] <= MOE_SMALL_M.max_pairs:
+        return moe_kernels.routed_experts_small_m(*args, blocks=MOE_SMALL_M, interpret=_interpret())
+    return moe_kernels.routed_experts_grouped(*args, blocks=MOE_GROUPED, interpret=_interpret())
+
+
+def _moe_auto(x, weights, experts, gate_proj, up_proj, down_proj) -> bool:
+    """``"auto"`` takes the small-M kernels for at most :data:`AUTO_MOE_MAX_TOKENS` tokens with
+    ``H`` and ``I`` multiples of 16 and float32 / bfloat16 / float16 inputs."""
+    if x.shape[0] > AUTO_MOE_MAX_TOKENS:
+        return False
+    try:
+        moe_kernels.check_small_m(x, weights, experts, gate_proj, up_proj, down_proj, MOE_SMALL_M)
+    except ValueError:
+        return False
+    return True
+
+
+PALLAS_OPS.update(routed_experts=routed_experts)
+AUTO_PALLAS.update(routed_experts=_moe_auto)

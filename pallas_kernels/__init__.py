@@ -9,6 +9,7 @@
 - :mod:`pallas_kernels.decode`: token-by-token steps on arena states (decode, short prefill);
 - :mod:`pallas_kernels.attention`: paged tree attention (``kernel.py``) and tree / causal paged
   attention reading KV pages in place from the arena (``arena.py``);
+- :mod:`pallas_kernels.moe`: routed MoE experts (small-M, grouped GEMM, ``ragged_dot_mgpu``);
 - :mod:`pallas_kernels.experimental`: variants that were measured and are not routed.
 
 Each op folder holds a plain-JAX ``reference.py`` the kernels are tested against. Static tuning

@@ -2,10 +2,11 @@
 
 ``p = softmax(x Wr^T)`` (f32), the top-k of ``p`` (renormalised to sum 1 when
 ``norm_topk_prob``) weight the selected experts; the shared expert is added as
-``sigmoid(x w_g) * shared(x)``. Routed experts run as grouped matmuls (``lax.ragged_dot``) over
-the token-expert pairs sorted by expert, so compute scales with ``k``, not with the expert count.
-Expert weights are stored input-major for ``ragged_dot``: ``gate_proj, up_proj: [E, H, I]``,
-``down_proj: [E, I, H]``.
+``sigmoid(x w_g) * shared(x)``. The routed experts are :func:`gdn_jax.moe.routed_experts`
+(dropless; compute scales with ``k``, not with the expert count): grouped matmuls over the
+token-expert pairs sorted by expert on the XLA path, the Pallas kernels of
+:mod:`pallas_kernels.moe` where ``impl`` selects them. Expert weights are stored input-major:
+``gate_proj, up_proj: [E, H, I]``, ``down_proj: [E, I, H]``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn_jax.models.linear import Linear, matmul_precision, normal_init
+from gdn_jax.models.linear import Linear, normal_init
 from gdn_jax.models.mlp import MLP
+from gdn_jax.moe import routed_experts
 
 
 class SparseMoE(nnx.Module):
@@ -30,6 +32,7 @@ class SparseMoE(nnx.Module):
         norm_topk_prob: bool,
         dtype,
         rngs: nnx.Rngs,
+        impl: str = "auto",
     ):
         self.gate = Linear(hidden, num_experts, dtype=dtype, rngs=rngs)  # the router
         self.gate_proj = nnx.Param(normal_init(rngs, (num_experts, hidden, intermediate), dtype))
@@ -40,6 +43,7 @@ class SparseMoE(nnx.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.impl = impl  # routed_experts' impl: "auto" | "xla" | "pallas"
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(weights [M, k] in x's dtype, expert ids int32 [M, k])`` for ``x: [M, H]``."""
@@ -51,20 +55,10 @@ class SparseMoE(nnx.Module):
         return top_p.astype(logits.dtype), top_i.astype(jnp.int32)
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """Sum over the ``k`` selected experts of ``weight * expert(x)``; ``x: [M, H]``."""
-        m, k = experts.shape
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = order // k
-        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        """Sum over the ``k`` selected experts of ``weight * expert(x)``; ``x: [M, H]``
+        (:func:`gdn_jax.moe.routed_experts`, in the expert weights' dtype)."""
         gw, uw, dw = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
-        prec = matmul_precision(gw.dtype)
-        xs = x[token].astype(gw.dtype)
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, gw, sizes, precision=prec))
-        h = h * jax.lax.ragged_dot(xs, uw, sizes, precision=prec)
-        y = jax.lax.ragged_dot(h, dw, sizes, precision=prec)
-        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-        return jnp.zeros((m, x.shape[-1]), y.dtype).at[token].add(y)
+        return routed_experts(x, weights, experts, gw, uw, dw, impl=self.impl)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape

@@ -1,0 +1,334 @@
+"""The routed MoE block (gate/up, SiLU, down, weighted combine over the top-k) on one GPU: the
+XLA path (``lax.ragged_dot``), jax's Mosaic GPU ``ragged_dot_mgpu``, and the Triton kernels of
+``pallas_kernels.moe`` (small-M and grouped), each against the floor.
+
+Shapes: ``M`` tokens (``--m``), ``E`` experts (``--experts``), top-``k`` (``--top-k``), hidden
+``H`` (``--hidden``), expert intermediate ``I`` (``--inter``), ``--dtype`` (default: the
+Qwen3.5-35B-A3B MoE, E 256, k 8, H 2048, I 512, bf16). Inputs: ``--sets`` fresh random input
+sets per ``M`` (``x ~ N(0, 1)``; routing = softmax of random logits, top-k, renormalised, as the
+model's router), one set of expert weights.
+
+Timing: one jitted program runs the op on every set back to back (as the layers of a model
+step); the time per op is the marginal cost ``(t(R) - t(1)) / (R - 1)`` for ``R = --sets >= 4``
+(else ``t(R) / R``), medians over ``--reps`` runs after a warm-up run, each run ended by
+``jax.block_until_ready``. ``call_us`` is one jitted call end to end (dispatch and sync
+included).
+
+Floor: ``max(bytes / copy rate, flops / matmul rate)``, with ``bytes`` = the touched experts'
+weights (``3 H I`` elements each, distinct experts of the set's routing, averaged over the sets)
++ ``x`` read + ``out`` written, ``flops = 2 * M * k * 3 H I``; the copy rate is ``2 * nbytes / t``
+of ``x * 2`` over a 1 GiB array and the matmul rate a bf16 ``8192^3`` matmul, both measured at
+the start of the run. Error: per path, the relative error against the XLA path on set 0
+(``rel_err``: whole output; ``row_rel_err``: the worst token row).
+
+Variants: ``--small-blocks``, ``--grouped-blocks``, ``--mgpu-blocks`` (repeatable
+``field=value,...`` specs of ``SmallMBlocks``, ``GroupedBlocks``, ``MgpuBlocks``). A failing
+path is recorded in its row (``error``) and the run goes on.
+
+    python -m benchmarks.moe --json moe.json                      # the H200 run
+    python -m benchmarks.moe --m 1,16 --small-blocks "" --small-blocks block_i=64,num_warps=8
+    python -m benchmarks.moe --dry-run                            # tiny shapes, CPU, interpret
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels.moe as moe  # noqa: E402
+from benchmarks.common import ints, log, markdown_table, parse_blocks, write_json  # noqa: E402
+from gdn_jax.moe import routed_experts  # noqa: E402
+
+PATHS = ("xla", "mgpu", "small_m", "grouped")
+DRY = dict(m=[1, 4], experts=8, top_k=2, hidden=32, inter=16, reps=2, sets=2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--m", type=ints, default=[1, 16, 464, 2048, 8192], help="tokens per call")
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS}")
+    p.add_argument("--reps", type=int, default=10, help="timed runs per program (median)")
+    p.add_argument("--sets", type=int, default=4, help="input sets per M (one program)")
+    p.add_argument(
+        "--max-call-ms",
+        type=float,
+        default=400.0,
+        help="skip a path at larger M once one call took longer than this",
+    )
+    p.add_argument("--small-blocks", action="append", default=[], help="SmallMBlocks spec")
+    p.add_argument("--grouped-blocks", action="append", default=[], help="GroupedBlocks spec")
+    p.add_argument("--mgpu-blocks", action="append", default=[], help="MgpuBlocks spec")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="write the rows and measured rates here")
+    p.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes on CPU, kernels in interpret mode"
+    )
+    args = p.parse_args(argv)
+    if args.dry_run:
+        for key, val in DRY.items():
+            setattr(args, key, val)
+    args.paths = [x for x in args.paths.split(",") if x]
+    bad = sorted(set(args.paths) - set(PATHS))
+    if bad:
+        p.error(f"--paths: unknown {bad}; choose from {PATHS}")
+    return args
+
+
+# --------------------------------------------------------------------------------------- timing
+
+
+def program(fn):
+    """One jitted program running ``fn`` on every input set of a list back to back."""
+    return jax.jit(lambda xs: [fn(*s) for s in xs])
+
+
+def program_seconds(f, sets, reps: int) -> float:
+    """Median seconds of the program ``f`` on ``sets`` (one warm-up run first)."""
+    jax.block_until_ready(f(sets))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(sets))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def per_op_us(f, sets, reps: int) -> tuple[float, float]:
+    """``(marginal us per op over the sets, us of the program on one set)``."""
+    r = len(sets)
+    t_1 = program_seconds(f, sets[:1], reps)
+    if r < 4:
+        return 1e6 * program_seconds(f, sets, reps) / r, 1e6 * t_1
+    t_r = program_seconds(f, sets, reps)
+    return 1e6 * max(t_r - t_1, 0.0) / (r - 1), 1e6 * t_1
+
+
+def copy_rate(reps: int, nbytes: int) -> float:
+    """Bytes per second of ``x * 2`` (read + write) over a bf16 array of ``nbytes``."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 2)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(ts)
+
+
+def matmul_rate(reps: int, n: int) -> float:
+    """bf16 flops per second of an ``n^3`` matmul."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16))
+    jax.block_until_ready(f(a, a))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, a))
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(ts)
+
+
+# --------------------------------------------------------------------------------------- inputs
+
+
+def expert_weights(args, dtype):
+    """``gate, up [E, H, I]``, ``down [E, I, H]`` ~ N(0, 1) / sqrt(fan-in)."""
+    keys = jax.random.split(jax.random.key(args.seed), 3)
+    e, h, i = args.experts, args.hidden, args.inter
+    return (
+        (jax.random.normal(keys[0], (e, h, i), jnp.float32) / h**0.5).astype(dtype),
+        (jax.random.normal(keys[1], (e, h, i), jnp.float32) / h**0.5).astype(dtype),
+        (jax.random.normal(keys[2], (e, i, h), jnp.float32) / i**0.5).astype(dtype),
+    )
+
+
+def input_sets(args, m: int, dtype) -> list[tuple]:
+    """``--sets`` fresh ``(x, weights, experts)``: softmax top-k routing of random logits."""
+    out = []
+    for s in range(args.sets):
+        kx, kl = jax.random.split(jax.random.key(1000 * m + s + args.seed))
+        x = jax.random.normal(kx, (m, args.hidden), jnp.float32).astype(dtype)
+        probs = jax.nn.softmax(jax.random.normal(kl, (m, args.experts), jnp.float32), axis=-1)
+        top_p, top_i = jax.lax.top_k(probs, args.top_k)
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        out.append((x, top_p.astype(dtype), top_i.astype(jnp.int32)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- paths
+
+
+def variants(args, interpret: bool) -> list[tuple[str, str, object]]:
+    """``(path, variant label, fn(x, w, e, gate, up, down))`` of every path and knob spec."""
+    out = []
+    for path in args.paths:
+        if path == "xla":
+            out.append(("xla", "lax.ragged_dot", functools.partial(routed_experts, impl="xla")))
+        elif path == "mgpu":
+            for bl in parse_blocks(args.mgpu_blocks, moe.MgpuBlocks):
+                out.append(
+                    ("mgpu", label(bl), functools.partial(moe.routed_experts_mgpu, blocks=bl))
+                )
+        elif path == "small_m":
+            for bl in parse_blocks(args.small_blocks, moe.SmallMBlocks):
+                fn = functools.partial(moe.routed_experts_small_m, blocks=bl, interpret=interpret)
+                out.append(("small_m", label(bl), fn))
+        else:
+            for bl in parse_blocks(args.grouped_blocks, moe.GroupedBlocks):
+                fn = functools.partial(moe.routed_experts_grouped, blocks=bl, interpret=interpret)
+                out.append(("grouped", label(bl), fn))
+    return out
+
+
+def label(blocks) -> str:
+    """The fields of a knob dataclass that differ from its defaults (``default`` if none)."""
+    base = type(blocks)()
+    diff = [f"{k}={v}" for k, v in vars(blocks).items() if getattr(base, k) != v]
+    return ",".join(diff) or "default"
+
+
+def row_errors(out, ref) -> tuple[float, float]:
+    """``(||out - ref|| / ||ref||, max over rows of the same per row)`` in float64."""
+    a, b = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    per_row = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b)), float(per_row.max())
+
+
+def skip_reason(path: str, fn, m: int, args) -> str:
+    """Why ``path`` cannot run at this ``M`` here (empty: it can)."""
+    if path == "mgpu" and not moe.mgpu_available():
+        return "needs a Hopper GPU (Mosaic GPU has no interpret mode)"
+    if path == "small_m" and m * args.top_k > fn.keywords["blocks"].max_pairs:
+        return f"M * k > max_pairs = {fn.keywords['blocks'].max_pairs}"
+    return ""
+
+
+def bench_m(args, m, weights, paths, rates, slow: set) -> list[dict]:
+    dtype = weights[0].dtype
+    sets = [(*s, *weights) for s in input_sets(args, m, dtype)]
+    n = m * args.top_k
+    h, i = args.hidden, args.inter
+    touched = float(np.mean([len(np.unique(np.asarray(s[2]))) for s in sets]))
+    size = jnp.dtype(dtype).itemsize
+    nbytes = touched * 3 * h * i * size + 2 * m * h * size
+    flops = 2.0 * n * 3 * h * i
+    floor_bw, floor_mm = nbytes / rates["copy_Bps"], flops / rates["matmul_flops"]
+    floor_us = 1e6 * max(floor_bw, floor_mm)
+    base = dict(
+        m=m,
+        pairs=n,
+        touched=touched,
+        bytes=nbytes,
+        flops=flops,
+        floor_us=floor_us,
+        bound="bandwidth" if floor_bw >= floor_mm else "compute",
+    )
+    ref = None
+    rows = []
+    for path, var, fn in paths:
+        row = dict(base, path=path, variant=var)
+        rows.append(row)
+        reason = skip_reason(path, fn, m, args) or (
+            f"a call at smaller M took over {args.max_call_ms} ms" if (path, var) in slow else ""
+        )
+        if reason:
+            row["skipped"] = reason
+            continue
+        t0 = time.perf_counter()
+        try:
+            f = program(fn)
+            out = jax.block_until_ready(f(sets[:1])[0])  # compiles the one-set program
+            if path == "xla":
+                ref = out
+            if ref is not None:
+                row["rel_err"], row["row_rel_err"] = row_errors(out, ref)
+            row["us"], row["call_us"] = per_op_us(f, sets, args.reps)
+            row["x_floor"] = row["us"] / floor_us
+            row["GBps"] = nbytes / row["us"] / 1e3
+            row["TFLOPs"] = flops / row["us"] / 1e6
+            if row["call_us"] > 1e3 * args.max_call_ms:
+                slow.add((path, var))
+        except Exception as ex:  # keep the run going; the row says what failed
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+        took = time.perf_counter() - t0
+        result = f"{row['us']:.1f} us" if "us" in row else row.get("error")
+        log(f"M {m} {path} [{var}]: {result} ({took:.0f} s)")
+    return rows
+
+
+COLS = [
+    ("m", "M"),
+    ("path", "path"),
+    ("variant", "variant"),
+    ("touched", "experts touched"),
+    ("us", "us / op"),
+    ("call_us", "us / call"),
+    ("floor_us", "floor us"),
+    ("bound", "bound"),
+    ("x_floor", "x floor"),
+    ("GBps", "GB/s"),
+    ("TFLOPs", "TFLOP/s"),
+    ("rel_err", "rel err vs XLA"),
+    ("row_rel_err", "worst row"),
+    ("skipped", "skipped"),
+    ("error", "error"),
+]
+
+
+def report(args, rates, rows) -> dict:
+    """The JSON document of a run."""
+    return dict(
+        device=jax.devices()[0].device_kind,
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        argv=sys.argv[1:],
+        rates=rates,
+        config={k: v for k, v in vars(args).items() if k != "json"},
+        rows=rows,
+    )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    interpret = jax.default_backend() == "cpu"
+    if interpret and not args.dry_run:
+        log("CPU backend: the Triton kernels run in interpret mode (slow); see --dry-run")
+    dtype = jnp.dtype(args.dtype)
+    rates = dict(
+        copy_Bps=copy_rate(args.reps, 16 << 20 if args.dry_run else 1 << 30),
+        matmul_flops=matmul_rate(args.reps, 256 if args.dry_run else 8192),
+    )
+    tbps, tflops = rates["copy_Bps"] / 1e12, rates["matmul_flops"] / 1e12
+    log(f"copy {tbps:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+    weights = expert_weights(args, dtype)
+    paths = variants(args, interpret)
+    rows, slow = [], set()
+    for m in args.m:
+        rows += bench_m(args, m, weights, paths, rates, slow)
+        write_json(args.json, report(args, rates, rows))  # after each M: a cut run keeps its rows
+    print(markdown_table(rows, COLS))
+    print(
+        f"\nE {args.experts}, k {args.top_k}, H {args.hidden}, I {args.inter}, {args.dtype}; "
+        f"copy {rates['copy_Bps'] / 1e12:.2f} TB/s, matmul {rates['matmul_flops'] / 1e12:.0f} "
+        f"TFLOP/s; {jax.devices()[0].device_kind}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Routed mixture-of-experts FFN: each token's ``k`` selected SwiGLU experts, weighted and summed.
+
+For ``x: [M, H]``, routing weights ``w: [M, k]``, expert ids ``e: [M, k]`` and expert weights
+``gate_proj, up_proj: [E, H, I]``, ``down_proj: [E, I, H]`` (input-major)::
+
+    out[m] = sum_j w[m, j] * down_{e[m, j]}( silu(x[m] gate_{e[m, j]}) * (x[m] up_{e[m, j]}) )
+
+Dropless and exact: every token-expert pair is computed, whatever the load on an expert
+(no capacity factor, no token dropping); the cost scales with ``M * k``, not with ``E``. A
+token may name the same expert twice (both pairs count).
+
+``impl="xla"`` sorts the ``M * k`` pairs by expert (a stable argsort, so within an expert pairs
+keep token order) and runs the three projections as grouped matmuls (``lax.ragged_dot``) over
+the sorted rows, then scatter-adds the weighted rows into their tokens. ``impl="pallas"`` runs
+the GPU kernels of :mod:`pallas_kernels.moe` (interpret mode off GPU), ``impl="auto"`` picks
+them where :mod:`gdn_jax.pallas_routes` says so (XLA off GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from gdn_jax._prep import as_arrays
+from gdn_jax.dispatch import pallas_op, resolve_impl
+
+
+def _fail(arg: str, rule: str) -> None:
+    raise ValueError(f"{arg}: {rule}")
+
+
+def _check_float(name: str, a: jax.Array) -> None:
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        _fail(name, f"must be floating point, got {a.dtype}")
+
+
+def check_routed_inputs(x, weights, experts, gate_proj, up_proj, down_proj) -> tuple[int, ...]:
+    """Validates the shapes and dtypes of a :func:`routed_experts` call on the host (a
+    ``ValueError`` naming the argument); returns ``(M, k, E, H, I)``. The expert ids' values
+    (traced under jit) are not checked."""
+    if x.ndim != 2:
+        _fail("x", f"expected rank 2 [M, H], got shape {x.shape}")
+    _check_float("x", x)
+    m, h = x.shape
+    if gate_proj.ndim != 3:
+        _fail("gate_proj", f"expected rank 3 [E, H, I], got shape {gate_proj.shape}")
+    e, h_g, i = gate_proj.shape
+    if h_g != h:
+        _fail("gate_proj", f"expected [E, H={h}, I], got shape {gate_proj.shape}")
+    if e < 1 or i < 1:
+        _fail("gate_proj", f"needs at least one expert and I >= 1, got shape {gate_proj.shape}")
+    _check_float("gate_proj", gate_proj)
+    if up_proj.shape != gate_proj.shape:
+        _fail("up_proj", f"expected gate_proj's shape {gate_proj.shape}, got {up_proj.shape}")
+    if down_proj.shape != (e, i, h):
+        _fail("down_proj", f"expected [E, I, H] = {(e, i, h)}, got {down_proj.shape}")
+    for name, a in (("up_proj", up_proj), ("down_proj", down_proj)):
+        if a.dtype != gate_proj.dtype:
+            _fail(name, f"must have gate_proj's dtype {gate_proj.dtype}, got {a.dtype}")
+    if experts.ndim != 2 or experts.shape[0] != m:
+        _fail("experts", f"expected [M={m}, k], got shape {experts.shape}")
+    if not jnp.issubdtype(experts.dtype, jnp.integer):
+        _fail("experts", f"must be an integer array of expert ids, got {experts.dtype}")
+    k = experts.shape[1]
+    if not 1 <= k <= e:
+        _fail("experts", f"k = {k} experts per token must be in [1, E = {e}]")
+    if weights.shape != experts.shape:
+        _fail("weights", f"expected experts' shape [M, k] = {experts.shape}, got {weights.shape}")
+    _check_float("weights", weights)
+    return m, k, e, h, i
+
+
+def routed_experts(
+    x: Float[Array, "M H"],
+    weights: Float[Array, "M k"],
+    experts: Int[Array, "M k"],
+    gate_proj: Float[Array, "E H I"],
+    up_proj: Float[Array, "E H I"],
+    down_proj: Float[Array, "E I H"],
+    *,
+    impl: str = "auto",
+) -> Float[Array, "M H"]:
+    """``out[m] = sum_j weights[m, j] * expert_{experts[m, j]}(x[m])`` (module docstring).
+
+    ``expert_e(v) = (silu(v gate_proj[e]) * (v up_proj[e])) down_proj[e]``. Expert ids must lie
+    in ``[0, E)``. ``x`` is cast to the expert weights' dtype; the result ``[M, H]`` has the
+    expert weights' dtype. ``impl``: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    """
+    x, weights, experts, gate_proj, up_proj, down_proj = as_arrays(
+        x, weights, experts, gate_proj, up_proj, down_proj
+    )
+    m, _, _, h, _ = check_routed_inputs(x, weights, experts, gate_proj, up_proj, down_proj)
+    args = (x, weights, experts.astype(jnp.int32), gate_proj, up_proj, down_proj)
+    path = resolve_impl(impl, "routed_experts", *args)
+    if m == 0:
+        return jnp.zeros((0, h), gate_proj.dtype)
+    if path == "pallas":
+        return pallas_op("routed_experts")(*args)
+    return _routed_xla(*args)
+
+
+def _precision(dtype) -> jax.lax.Precision:
+    """HIGHEST for f32 expert weights (a TF32 default on GPU would lose f32 parity), else
+    DEFAULT; the same rule as the model's dense layers."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+@jax.jit
+def _routed_xla(x, weights, experts, gate_proj, up_proj, down_proj):
+    """The XLA path: pairs sorted by expert, three ``lax.ragged_dot`` over the sorted rows (each
+    rounded to the weights' dtype), the routing weight applied to the down projection's rows in
+    that dtype, and a scatter-add of the rows into their tokens."""
+    m, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
+    prec = _precision(gate_proj.dtype)
+    xs = x[token].astype(gate_proj.dtype)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_proj, sizes, precision=prec))
+    h = h * jax.lax.ragged_dot(xs, up_proj, sizes, precision=prec)
+    y = jax.lax.ragged_dot(h, down_proj, sizes, precision=prec)
+    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((m, x.shape[-1]), y.dtype).at[token].add(y)

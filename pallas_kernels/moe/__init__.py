@@ -1,0 +1,44 @@
+"""Routed mixture-of-experts FFN (SwiGLU experts, top-k routing, weighted combine):
+
+    out[m] = sum_j w[m, j] * down_e( silu(x[m] gate_e) * (x[m] up_e) ),   e = experts[m, j]
+
+- ``small_m.py``: few tokens (decode, verify). No routing plan in XLA; one program per first
+  pair of each touched expert and column tile, so each touched expert's weights are read once;
+  gate and up fused with SiLU and the routing weight, then the down projection;
+- ``grouped.py``: many tokens (prefill). Pairs sorted by expert into expert-aligned row blocks
+  (XLA, on device), then the same two fused kernels as a grouped GEMM over the blocks;
+- ``mgpu.py``: the same routing through jax's Mosaic GPU ``ragged_dot_mgpu`` (Hopper only, no
+  interpret mode);
+- ``reference.py``: dense plain-JAX reference.
+
+The Triton kernels (``small_m``, ``grouped``) take ``interpret=`` and run on CPU in interpret
+mode. Each combines a token's ``k`` weighted pair rows in one XLA reduction.
+"""
+
+from pallas_kernels.moe.grouped import DEFAULT_GROUPED_BLOCKS, GroupedBlocks, routed_experts_grouped
+from pallas_kernels.moe.mgpu import (
+    DEFAULT_MGPU_BLOCKS,
+    MgpuBlocks,
+    mgpu_available,
+    routed_experts_mgpu,
+)
+from pallas_kernels.moe.small_m import (
+    DEFAULT_SMALL_M_BLOCKS,
+    SmallMBlocks,
+    check_small_m,
+    routed_experts_small_m,
+)
+
+__all__ = [
+    "DEFAULT_GROUPED_BLOCKS",
+    "DEFAULT_MGPU_BLOCKS",
+    "DEFAULT_SMALL_M_BLOCKS",
+    "GroupedBlocks",
+    "MgpuBlocks",
+    "SmallMBlocks",
+    "check_small_m",
+    "mgpu_available",
+    "routed_experts_grouped",
+    "routed_experts_mgpu",
+    "routed_experts_small_m",
+]

@@ -1,0 +1,120 @@
+"""Routed experts through jax's Mosaic GPU grouped matmul (``ragged_dot_mgpu``), Hopper only.
+
+    out[m] = sum_j w[m, j] * down_e( silu(x[m] gate_e) * (x[m] up_e) ),   e = experts[m, j]
+
+The ``M * k`` pairs are sorted by expert (stable argsort, group sizes by ``bincount``, as the
+XLA path), the token rows of ``x`` gathered into sorted order, and the three projections run
+as :func:`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` calls over the sorted
+rows (each output rounded to the weights' dtype, as ``lax.ragged_dot``). ``silu(g) * u`` times
+the routing weight is one XLA fusion between them; the combine gathers each pair's row and sums
+a token's ``k`` rows in f32.
+
+Mosaic GPU has no interpret mode here: :func:`routed_experts_mgpu` raises ``ValueError`` unless
+the default backend is a compute capability 9.x GPU (the kernel issues ``wgmma``), so a CPU run
+never reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._wy import F32
+from pallas_kernels.moe._common import check_moe_inputs, combine, swiglu
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuBlocks:
+    """Knobs of ``ragged_dot_mgpu.ragged_dot``: output tile ``block_m x block_n``, reduction
+    step ``block_k``, pipeline depth ``max_concurrent_steps``, and ``grid_block_n`` (column
+    tiles per step of the snake over the output). ``block_k`` must divide ``H`` and ``I``,
+    ``block_n`` must divide ``H`` and ``I``."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 8 or v & (v - 1):
+                raise ValueError(f"{name}: a power of two >= 8, got {v}")
+        if self.max_concurrent_steps < 1 or self.grid_block_n < 1:
+            raise ValueError("max_concurrent_steps, grid_block_n: at least 1")
+
+
+DEFAULT_MGPU_BLOCKS = MgpuBlocks()
+
+
+def mgpu_available() -> bool:
+    """Whether the default backend can run the Mosaic GPU grouped matmul (a Hopper GPU)."""
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", "")
+    return str(cc).startswith("9")
+
+
+def check_mgpu(x, weights, experts, gate, up, down, blocks: MgpuBlocks):
+    """``(M, k, E, H, I)``; ``ValueError`` for inputs or a machine the wrapper cannot take."""
+    m, k, e, h, i = check_moe_inputs(x, weights, experts, gate, up, down)
+    if jnp.dtype(gate.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(
+            f"gate: ragged_dot_mgpu takes bfloat16 or float16 weights, got {gate.dtype}"
+        )
+    for name, size in (("H", h), ("I", i)):
+        if size % blocks.block_k or size % blocks.block_n:
+            raise ValueError(
+                f"{name}: ragged_dot_mgpu needs a multiple of block_k = {blocks.block_k} and "
+                f"block_n = {blocks.block_n}, got {size}"
+            )
+    if not mgpu_available():
+        raise ValueError(
+            "impl: the Mosaic GPU grouped matmul needs a compute capability 9.x GPU (no "
+            f"interpret mode); the default backend is {jax.default_backend()}"
+        )
+    return m, k, e, h, i
+
+
+@functools.partial(jax.jit, static_argnames=("blocks",))
+def routed_experts_mgpu(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    blocks: MgpuBlocks = DEFAULT_MGPU_BLOCKS,
+) -> jax.Array:
+    """``out [M, H]`` in the expert weights' dtype (module docstring); same arguments as
+    :func:`pallas_kernels.moe.routed_experts_grouped`, bf16 or f16 weights, Hopper GPU only."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    m, k, e, h, i = check_mgpu(x, weights, experts, gate, up, down, blocks)
+    n = m * k
+    rd = functools.partial(
+        ragged_dot_mgpu.ragged_dot,
+        block_m=blocks.block_m,
+        block_n=blocks.block_n,
+        block_k=blocks.block_k,
+        max_concurrent_steps=blocks.max_concurrent_steps,
+        grid_block_n=blocks.grid_block_n,
+    )
+    flat = experts.reshape(-1).astype(jnp.int32)
+    valid = (flat >= 0) & (flat < e)
+    key = jnp.where(valid, flat, e)  # invalid ids sort last, past every group
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+    xs = x[order // k].astype(gate.dtype)
+    g = rd(xs, gate, group_sizes=sizes)
+    u = rd(xs, up, group_sizes=sizes)
+    w = weights.reshape(-1)[order].astype(F32)
+    hs = (swiglu(g.astype(F32), u.astype(F32)) * w[:, None]).astype(gate.dtype)
+    y = rd(hs, down, group_sizes=sizes)
+    pos = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return combine(y[pos], valid, m, k, gate.dtype)

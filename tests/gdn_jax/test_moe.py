@@ -1,0 +1,288 @@
+"""The routed-experts op ``gdn_jax.routed_experts``: both paths against a float64 per-pair
+reference over random, skewed, empty-expert, one-token, duplicate-id and tied-weight routings;
+the XLA path bit for bit against the ``SparseMoE.routed`` code it replaced; input validation.
+The Pallas path runs in interpret mode on CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdn_jax import routed_experts
+from gdn_jax.models.moe import SparseMoE
+
+E, H, I, K = 6, 16, 32, 3  # experts, hidden, intermediate, experts per token
+ROUTINGS = ("random", "skewed", "all_one", "empty", "ties", "duplicates")
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+# ------------------------------------------------------------------------------ references
+
+
+def routed64(x, weights, experts, gate, up, down) -> np.ndarray:
+    """``out [M, H]`` in float64, pair by pair:
+    ``sum_j w[m, j] * (silu(x[m] G_e) * (x[m] U_e)) D_e`` with ``e = experts[m, j]``."""
+    x, weights, gate, up, down = (np.asarray(a, np.float64) for a in (x, weights, gate, up, down))
+    experts = np.asarray(experts)
+    out = np.zeros((x.shape[0], down.shape[2]))
+    for m in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = experts[m, j]
+            g, u = x[m] @ gate[e], x[m] @ up[e]
+            out[m] += weights[m, j] * ((g / (1.0 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+def legacy_routed(x, weights, experts, gw, uw, dw):
+    """The ``SparseMoE.routed`` body the op's XLA path was moved from (kept to check that the
+    model's numerics did not change)."""
+    m, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=gw.shape[0]).astype(jnp.int32)
+    prec = jax.lax.Precision.HIGHEST if gw.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    xs = x[token].astype(gw.dtype)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gw, sizes, precision=prec))
+    h = h * jax.lax.ragged_dot(xs, uw, sizes, precision=prec)
+    y = jax.lax.ragged_dot(h, dw, sizes, precision=prec)
+    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros((m, x.shape[-1]), y.dtype).at[token].add(y)
+
+
+# --------------------------------------------------------------------------------- inputs
+
+
+def make_routing(kind: str, m: int, k: int, e: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """``(experts int32 [m, k], weights f32 [m, k])`` of a routing kind:
+
+    random (distinct experts per token, softmax-top-k weights), skewed (every token's first
+    choice is expert 0), all_one (every pair on expert 0, ids repeated within a token), empty
+    (only experts ``0..k-1`` used), ties (equal weights ``1/k``), duplicates (ids drawn with
+    replacement)."""
+    distinct = np.stack([rng.permutation(e)[:k] for _ in range(m)])
+    if kind == "skewed":
+        others = np.stack([1 + rng.permutation(e - 1)[: k - 1] for _ in range(m)])
+        ids = np.concatenate([np.zeros((m, 1), int), others], axis=1)
+    elif kind == "all_one":
+        ids = np.zeros((m, k), int)
+    elif kind == "empty":
+        ids = np.stack([rng.permutation(k) for _ in range(m)])
+    elif kind == "duplicates":
+        ids = rng.integers(0, e, (m, k))
+    else:
+        ids = distinct
+    logits = rng.normal(size=(m, k))
+    w = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    if kind == "ties":
+        w = np.full((m, k), 1.0 / k)
+    return ids.astype(np.int32), w.astype(np.float32)
+
+
+def make_experts(rng, e=E, h=H, i=I, dtype=jnp.float32):
+    """``gate, up [e, h, i]`` and ``down [e, i, h]`` with unit-scale outputs."""
+    gate = rng.normal(size=(e, h, i)) / np.sqrt(h)
+    up = rng.normal(size=(e, h, i)) / np.sqrt(h)
+    down = rng.normal(size=(e, i, h)) / np.sqrt(i)
+    return tuple(jnp.asarray(a, dtype) for a in (gate, up, down))
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check_against_f64(kind, m, seed, impl, dtype):
+    rng = np.random.default_rng(seed)
+    experts, weights = make_routing(kind, m, K, E, rng)
+    x = jnp.asarray(rng.normal(size=(m, H)), dtype)
+    gate, up, down = make_experts(rng, dtype=dtype)
+    w = jnp.asarray(weights, dtype)
+    out = routed_experts(x, w, experts, gate, up, down, impl=impl)
+    chex.assert_shape(out, (m, H))
+    chex.assert_type(out, dtype)
+    ref = routed64(x.astype(jnp.float32), w.astype(jnp.float32), experts, gate, up, down)
+    assert rel_err(out, ref) < TOL[dtype], (kind, m, impl, rel_err(out, ref))
+
+
+# ---------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_routings_match_float64(kind, dtype, impl):
+    check_against_f64(kind, 5, 0, impl, dtype)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_one_token(impl):
+    check_against_f64("random", 1, 1, impl, jnp.float32)
+
+
+def test_pallas_many_tokens():
+    """``M * k`` past the small-M kernel's pair limit (256) routes to the grouped kernels."""
+    check_against_f64("skewed", 90, 5, "pallas", jnp.float32)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kind=st.sampled_from(ROUTINGS),
+    m=st.sampled_from([1, 4]),
+    seed=st.integers(0, 2**31 - 1),
+    impl=st.sampled_from(["xla", "pallas"]),
+)
+def test_random_routings(kind, m, seed, impl):
+    """Hypothesis over routing kinds and seeds (shapes fixed, so each path compiles once per
+    ``M``)."""
+    check_against_f64(kind, m, seed, impl, jnp.float32)
+
+
+def test_paths_agree_under_jit():
+    """Inside ``jax.jit`` (as in the model) the two paths agree, and the op's output equals the
+    unjitted call."""
+    rng = np.random.default_rng(3)
+    experts, weights = make_routing("duplicates", 8, K, E, rng)
+    x = jnp.asarray(rng.normal(size=(8, H)), jnp.float32)
+    args = (x, weights, experts, *make_experts(rng))
+    out = {
+        impl: jax.jit(functools.partial(routed_experts, impl=impl))(*args)
+        for impl in ("xla", "pallas")
+    }
+    np.testing.assert_allclose(out["pallas"], out["xla"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(routed_experts(*args, impl="xla"), out["xla"])
+
+
+def tiny_moe(dtype, seed=0) -> SparseMoE:
+    return SparseMoE(
+        H,
+        num_experts=E,
+        top_k=K,
+        intermediate=I,
+        shared_intermediate=16,
+        norm_topk_prob=True,
+        dtype=dtype,
+        rngs=nnx.Rngs(seed),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_moe_bit_identical_to_previous_code(dtype):
+    """``SparseMoE.routed`` (the op's XLA path) returns the same bits as the code it replaced,
+    jitted and eager, and ``SparseMoE.__call__`` likewise."""
+    moe = tiny_moe(dtype)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 7, H)), dtype)
+    x2 = x.reshape(-1, H)
+    weights, experts = moe.route(x2)
+    params = (moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
+    new = nnx.jit(lambda m, *a: m.routed(*a))(moe, x2, weights, experts)
+    old = jax.jit(legacy_routed)(x2, weights, experts, *params)
+    np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(old, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(moe.routed(x2, weights, experts), np.float32),
+        np.asarray(legacy_routed(x2, weights, experts, *params), np.float32),
+    )
+
+    def old_call(m, x):
+        w, e = m.route(x.reshape(-1, H))
+        out = legacy_routed(x.reshape(-1, H), w, e, *params)
+        xs = x.reshape(-1, H)
+        shared = jax.nn.sigmoid(m.shared_expert_gate(xs)) * m.shared_expert(xs)
+        return (out + shared).astype(x.dtype).reshape(x.shape)
+
+    got = nnx.jit(lambda m, x: m(x))(moe, x)
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32), np.asarray(nnx.jit(old_call)(moe, x), np.float32)
+    )
+    chex.assert_type(got, dtype)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_sparse_moe_matches_float64(impl):
+    """The block's routed part through the model's router, against float64."""
+    moe = tiny_moe(jnp.float32, seed=2)
+    moe.impl = impl
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(6, H)), jnp.float32)
+    weights, experts = moe.route(x)
+    params = (moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
+    got = moe.routed(x, weights, experts)
+    assert rel_err(got, routed64(x, weights, experts, *params)) < 1e-5
+
+
+def test_router_ties():
+    """A zero router gives tied probabilities: ``top_k`` takes experts ``0..k-1`` with equal
+    weights ``1/k``, and the routed sum equals float64."""
+    moe = tiny_moe(jnp.float32, seed=4)
+    moe.gate.weight[...] = jnp.zeros_like(moe.gate.weight[...])
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(3, H)), jnp.float32)
+    weights, experts = moe.route(x)
+    np.testing.assert_array_equal(experts, np.tile(np.arange(K), (3, 1)))
+    np.testing.assert_allclose(weights, np.full((3, K), 1.0 / K), rtol=1e-6)
+    params = (moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
+    for impl in ("xla", "pallas"):
+        got = routed_experts(x, weights, experts, *params, impl=impl)
+        assert rel_err(got, routed64(x, weights, experts, *params)) < 1e-5
+
+
+def test_zero_tokens():
+    args = (np.zeros((0, H), np.float32), np.zeros((0, K), np.float32), np.zeros((0, K), np.int32))
+    for impl in ("xla", "pallas", "auto"):
+        out = routed_experts(*args, *make_experts(np.random.default_rng(0)), impl=impl)
+        chex.assert_shape(out, (0, H))
+
+
+def _valid_args():
+    rng = np.random.default_rng(0)
+    experts, weights = make_routing("random", 4, K, E, rng)
+    x = jnp.asarray(rng.normal(size=(4, H)), jnp.float32)
+    g, u, d = make_experts(rng)
+    return dict(x=x, weights=weights, experts=experts, g=g, u=u, d=d)
+
+
+BAD = [
+    ("x", dict(x=np.zeros((4, H, 1), np.float32))),
+    ("x", dict(x=np.zeros((4, H), np.int32))),
+    ("gate_proj", dict(g=np.zeros((E, H + 1, I), np.float32))),
+    ("gate_proj", dict(g=np.zeros((H, I), np.float32))),
+    ("up_proj", dict(u=np.zeros((E, H, I + 1), np.float32))),
+    ("up_proj", dict(u=np.zeros((E, H, I), jnp.bfloat16))),
+    ("down_proj", dict(d=np.zeros((E, H, I), np.float32))),
+    ("experts", dict(experts=np.zeros((4, K), np.float32))),
+    ("experts", dict(experts=np.zeros((5, K), np.int32))),
+    ("experts", dict(experts=np.zeros((4, E + 1), np.int32), weights=np.zeros((4, E + 1)))),
+    ("weights", dict(weights=np.zeros((4, K + 1), np.float32))),
+    ("weights", dict(weights=np.zeros((4, K), np.int32))),
+]
+
+
+@pytest.mark.parametrize("name, change", BAD)
+def test_validation_names_the_argument(name, change):
+    a = {**_valid_args(), **change}
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        routed_experts(a["x"], a["weights"], a["experts"], a["g"], a["u"], a["d"], impl="xla")
+
+
+def test_unknown_impl():
+    a = _valid_args()
+    with pytest.raises(ValueError, match="^impl:"):
+        routed_experts(a["x"], a["weights"], a["experts"], a["g"], a["u"], a["d"], impl="cuda")
+
+
+def test_pallas_rejects_shapes_before_launch():
+    """``impl="pallas"`` raises ``ValueError`` for a hidden size the kernels cannot tile."""
+    rng = np.random.default_rng(0)
+    experts, weights = make_routing("random", 2, K, E, rng)
+    gate, up, down = make_experts(rng, h=24)
+    x = jnp.ones((2, 24), jnp.float32)
+    with pytest.raises(ValueError, match="^H:"):
+        routed_experts(x, weights, experts, gate, up, down, impl="pallas")
+    out = routed_experts(x, weights, experts, gate, up, down, impl="auto")  # XLA on CPU
+    chex.assert_shape(out, (2, 24))

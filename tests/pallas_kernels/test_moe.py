@@ -1,0 +1,251 @@
+"""The routed-experts kernels (``pallas_kernels.moe``, interpret mode): the small-M and grouped
+Triton kernels against ``moe/reference.py``, the XLA path and float64 over random, skewed,
+empty-expert, one-token and duplicate-id routings (an expert with more pairs than a block's
+rows included); the grouped routing plan; ``reference.py`` against float64; the input and knob
+checks; the Mosaic GPU wrapper's CPU guard; and both Triton kernels lowering for sm_90 on this
+machine (Triton IR only, nothing compiled)."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pallas_kernels.moe as moe
+from gdn_jax.moe import routed_experts
+from pallas_kernels.moe.grouped import make_plan, max_blocks
+from pallas_kernels.moe.reference import routed_experts_reference
+from tests.gdn_jax.test_moe import make_experts, make_routing, rel_err, routed64
+
+E, H, I, K = 5, 32, 16, 3
+ROUTINGS = ("random", "skewed", "all_one", "empty", "duplicates")
+# tiny tiles: several column tiles per program grid and a 16-row block per expert chunk
+SMALL = moe.SmallMBlocks(block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16)
+GROUPED = moe.GroupedBlocks(block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16, group_m=2)
+KERNELS = {
+    "small_m": lambda *a: moe.routed_experts_small_m(*a, blocks=SMALL, interpret=True),
+    "grouped": lambda *a: moe.routed_experts_grouped(*a, blocks=GROUPED, interpret=True),
+}
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+PLAN = jax.jit(make_plan, static_argnums=(2, 3))
+
+
+def inputs(kind, m, seed, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    experts, weights = make_routing(kind, m, K, E, rng)
+    x = jnp.asarray(rng.normal(size=(m, H)), dtype)
+    return (
+        x,
+        jnp.asarray(weights, dtype),
+        jnp.asarray(experts),
+        *make_experts(rng, E, H, I, dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernels_match_reference_and_xla(kernel, kind, dtype):
+    """M = 8, k = 3: ``all_one`` puts 24 pairs on one expert (two 16-row chunks / blocks)."""
+    args = inputs(kind, 8, 0, dtype)
+    out = KERNELS[kernel](*args)
+    chex.assert_shape(out, (8, H))
+    chex.assert_type(out, dtype)
+    ref = routed_experts_reference(*args)
+    assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+    xla = routed_experts(*args, impl="xla")
+    assert rel_err(out, xla) < 2 * TOL[dtype] + (1e-2 if dtype == jnp.bfloat16 else 0)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_one_token_default_blocks(kernel):
+    args = inputs("random", 1, 1)
+    fn = moe.routed_experts_small_m if kernel == "small_m" else moe.routed_experts_grouped
+    out = fn(*args, interpret=True)
+    assert rel_err(out, routed64(*args)) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_invalid_ids_contribute_nothing(kernel):
+    x, w, experts, g, u, d = inputs("duplicates", 6, 2)
+    drop = np.random.default_rng(2).random(experts.shape) < 0.4
+    bad = jnp.where(drop, jnp.where(np.arange(K) % 2 == 0, -1, E), experts)
+    out = KERNELS[kernel](x, w, bad, g, u, d)
+    kept = routed64(x, np.where(drop, 0.0, w), np.where(drop, 0, experts), g, u, d)
+    assert rel_err(out, kept) < 1e-5
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    kind=st.sampled_from(ROUTINGS),
+    m=st.sampled_from([1, 8]),
+    seed=st.integers(0, 2**31 - 1),
+    kernel=st.sampled_from(sorted(KERNELS)),
+)
+def test_random_routings(kind, m, seed, kernel):
+    args = inputs(kind, m, seed)
+    assert rel_err(KERNELS[kernel](*args), routed64(*args)) < 1e-5
+
+
+def test_reference_matches_float64():
+    for kind in ("random", "all_one", "duplicates"):
+        args = inputs(kind, 4, 3)
+        assert rel_err(routed_experts_reference(*args), routed64(*args)) < 1e-6
+
+
+# ------------------------------------------------------------------------------- the plan
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    m=st.sampled_from([1, 5, 12]),
+    k=st.sampled_from([1, 3]),
+    e=st.sampled_from([4, 9]),
+    bm=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_plan_layout(m, k, e, bm, seed):
+    """Each valid pair sits in a block of its own expert with its token and weight; blocks hold
+    one expert each; the used blocks fit the static bound; padding rows weigh 0."""
+    rng = np.random.default_rng(seed)
+    skew = rng.random() < 0.5
+    experts = rng.integers(0, 2 if skew else e, (m, k))
+    experts[rng.random((m, k)) < 0.1] = -1
+    weights = rng.uniform(0.1, 1.0, (m, k)).astype(np.float32)
+    plan = jax.tree.map(np.asarray, PLAN(jnp.asarray(weights), jnp.asarray(experts), e, bm))
+    nb = max_blocks(m * k, e, bm)
+    assert plan.block_expert.shape == (nb,) and plan.row_token.shape == (nb * bm,)
+    counts = np.bincount(experts[experts >= 0], minlength=e)
+    assert (plan.block_expert >= 0).sum() == sum(-(-c // bm) for c in counts)
+    flat, w = experts.reshape(-1), weights.reshape(-1)
+    rows = plan.pair_row[flat >= 0]
+    assert len(set(rows.tolist())) == len(rows)  # distinct rows
+    for p in np.flatnonzero(flat >= 0):
+        r = plan.pair_row[p]
+        assert plan.block_expert[r // bm] == flat[p]
+        assert plan.row_token[r] == p // k and plan.row_weight[r] == w[p]
+    np.testing.assert_array_equal(plan.valid, flat >= 0)
+    pad = np.ones(nb * bm, bool)
+    pad[rows] = False
+    assert (plan.row_weight[pad] == 0).all()
+
+
+def test_max_blocks_is_tight():
+    """The bound is reached: ``T = min(E, n)`` experts, all but one with a single pair."""
+    e, bm = 5, 4
+    for n in (1, 3, 5, 6, 9, 23):
+        t = min(e, n)
+        counts = [n - (t - 1)] + [1] * (t - 1)
+        assert sum(-(-c // bm) for c in counts) == max_blocks(n, e, bm)
+
+
+# ------------------------------------------------------------------------------ the checks
+
+
+def test_small_m_pair_limit():
+    args = inputs("random", 8, 0)
+    with pytest.raises(ValueError, match="^experts: the small-M MoE kernel takes at most 16"):
+        moe.routed_experts_small_m(*args, blocks=moe.SmallMBlocks(max_pairs=16), interpret=True)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(h=24), "H"),
+        (dict(i=8), "I"),
+        (dict(x_dtype=jnp.int32), "x"),
+        (dict(e_dtype=jnp.float32), "experts"),
+    ],
+)
+def test_kernel_input_checks(change, name):
+    rng = np.random.default_rng(0)
+    h, i = change.get("h", H), change.get("i", I)
+    experts, weights = make_routing("random", 2, K, E, rng)
+    x = jnp.ones((2, h), change.get("x_dtype", jnp.float32))
+    experts = jnp.asarray(experts, change.get("e_dtype", jnp.int32))
+    for fn in (moe.routed_experts_small_m, moe.routed_experts_grouped):
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            fn(x, weights, experts, *make_experts(rng, E, h, i), interpret=True)
+
+
+@pytest.mark.parametrize(
+    "cls, kw, name",
+    [
+        (moe.SmallMBlocks, dict(block_m=24), "block_m"),
+        (moe.SmallMBlocks, dict(block_i=8), "block_i"),
+        (moe.SmallMBlocks, dict(num_warps=3), "num_warps"),
+        (moe.SmallMBlocks, dict(precision="tf32"), "precision"),
+        (moe.SmallMBlocks, dict(max_pairs=0), "max_pairs"),
+        (moe.GroupedBlocks, dict(block_h=48), "block_h"),
+        (moe.GroupedBlocks, dict(group_m=0), "group_m"),
+        (moe.MgpuBlocks, dict(block_k=48), "block_k"),
+    ],
+)
+def test_knob_checks(cls, kw, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        cls(**kw)
+
+
+def test_mgpu_guarded_off_gpu():
+    """Mosaic GPU has no interpret mode: off a Hopper GPU the wrapper raises before tracing a
+    kernel."""
+    assert not moe.mgpu_available()
+    args = inputs("random", 2, 0, jnp.bfloat16)
+    fits = moe.MgpuBlocks(block_m=16, block_n=16, block_k=16)
+    with pytest.raises(ValueError, match="^impl: the Mosaic GPU grouped matmul needs"):
+        moe.routed_experts_mgpu(*args, blocks=fits)
+    with pytest.raises(ValueError, match="^gate: ragged_dot_mgpu takes bfloat16 or float16"):
+        moe.routed_experts_mgpu(*inputs("random", 2, 0))
+
+
+# ------------------------------------------------------------------------- Triton lowering
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """Lower Pallas Triton kernels for an H200 (compute capability 9.0) on this machine; yields
+    a function returning the names of the Triton kernels a call lowers to."""
+    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+
+    info = gpu_info.GpuInfo(
+        gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0", compute_capability=90
+    )
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def lower(fn, *args):
+        names = []
+
+        def capture(jaxpr, *a, **kw):
+            names.append(jaxpr.debug_info.func_name)
+            return orig(jaxpr, *a, **kw)
+
+        monkeypatch.setattr(
+            pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture
+        )
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        return names
+
+    return lower
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kernel, m", [("small_m", 16), ("grouped", 464)])
+def test_lowers_for_sm90(h200, kernel, m, dtype):
+    """Qwen3.5-35B-A3B shapes (E 256, k 8, H 2048, I 512), default blocks."""
+    s = jax.ShapeDtypeStruct
+    args = (
+        s((m, 2048), dtype),
+        s((m, 8), dtype),
+        s((m, 8), jnp.int32),
+        s((256, 2048, 512), dtype),
+        s((256, 2048, 512), dtype),
+        s((256, 512, 2048), dtype),
+    )
+    fn = moe.routed_experts_small_m if kernel == "small_m" else moe.routed_experts_grouped
+    names = h200(fn, *args)
+    assert names == [f"moe_{kernel}_gate_up", f"moe_{kernel}_down"], names
