@@ -9,7 +9,7 @@ states back; the storage is donated so every write is in place. Three storages:
 - ``native``: dense per-layer arrays ``[L, B, Hv, K, V]`` f32 and ``[L, B, W-1, C]`` bf16, rows
   contiguous (no indirection: the floor of any paged layout);
 - ``pooled``: the same arrays with ``2B`` slots, rows picked by slot id (gather and scatter
-  by slot, the engine's former ``ModelRunner`` pools);
+  by slot: per-layer pools indexed by a slot table);
 - ``arena``: the engine's arena path: a real ``MemoryManager`` arena (``uint32``) with each
   row's ``state`` handle translated through the device table, every layer's state read as a
   word window and bitcast (``serving.memory.model_cache.ArenaCache.gdn_state`` /
@@ -35,7 +35,7 @@ inputs (as the engine's prefill leaves it). Storages:
   the engine: the Pallas chunked kernel on GPU, XLA elsewhere) and the final state scattered
   back (``with_gdn_state``);
 - ``arena_kernel``: the Pallas arena prefill kernel reading and writing the state in place
-  (``ArenaCache.gdn_prefill_rule``, :func:`pallas_kernels.arena_prefill.recurrent_prefill`;
+  (``ArenaCache.gdn_prefill_rule``, :func:`pallas_kernels.decode.arena.recurrent_prefill`;
   interpret mode off GPU).
 
 Every step returns each layer's output ``o [B, T, Hv, V]``. Reported per ``(B, T)``: median
@@ -45,10 +45,10 @@ measured), ``kernel / arena`` and the kernel's final states and outputs against 
 (max abs diff; the states must agree to 1e-3 of their largest magnitude, the bf16 outputs to
 1e-2; checked after the JSON is written).
 
-    python benchmarks/arena_read.py --json results.json
-    python benchmarks/arena_read.py --num-layers 4 --batch 1,2 --reps 5   # CPU smoke
-    python benchmarks/arena_read.py --step prefill --batch 1,16,64 --chunk 16,64 --reps 5
-    python benchmarks/arena_read.py --step prefill --smoke --json p.json  # CPU smoke (<1 min)
+    python -m benchmarks.arena_read --json results.json
+    python -m benchmarks.arena_read --num-layers 4 --batch 1,2 --reps 5   # CPU smoke
+    python -m benchmarks.arena_read --step prefill --batch 1,16,64 --chunk 16,64 --reps 5
+    python -m benchmarks.arena_read --step prefill --smoke --json p.json  # CPU smoke (<1 min)
 """
 
 from __future__ import annotations
@@ -74,13 +74,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gdn_jax import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 from gdn_jax.dispatch import resolve_impl  # noqa: E402
+from serving.arena_cache import ArenaCache  # noqa: E402
+from serving.arena_spec import ArenaSpec  # noqa: E402
+from serving.kernels import XLA_KERNELS, ArenaKernels  # noqa: E402
 from serving.memory import MemoryManager, OutOfMemoryError, layout_for  # noqa: E402
-from serving.memory.model_cache import (  # noqa: E402
-    XLA_KERNELS,
-    ArenaCache,
-    ArenaKernels,
-    ArenaSpec,
-)
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3_5_35b_a3b.json"
 
@@ -142,6 +139,13 @@ def make_inputs(key, layers, b, spec: ArenaSpec, hk: int):
     return q, k, v, g, beta, x
 
 
+def arena_cache(buf, table, handles, spec: ArenaSpec, kernels=XLA_KERNELS) -> ArenaCache:
+    """The rows' view of the arena ``buf`` (one empty page table row each; GDN states only)."""
+    b = handles.shape[0]
+    pages, lens = jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)
+    return ArenaCache(buf, table, handles, pages, lens, spec, kernels)
+
+
 def build(spec: ArenaSpec, layers: int):
     """The four jitted steps (storage donated, returned updated) and their initialisers."""
 
@@ -165,10 +169,7 @@ def build(spec: ArenaSpec, layers: int):
         return (ssm, conv), acc
 
     def arena(buf, *inputs, table, handles):
-        b = handles.shape[0]
-        cache = ArenaCache(
-            buf, table, handles, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), spec
-        )
+        cache = arena_cache(buf, table, handles, spec)
         acc = jnp.float32(0)
         for i in range(layers):
             conv, ssm = cache.gdn_state(i)
@@ -179,11 +180,7 @@ def build(spec: ArenaSpec, layers: int):
     kernels = ArenaKernels(decode=True, interpret=jax.default_backend() != "gpu")
 
     def arena_kernel(buf, *inputs, table, handles):
-        b = handles.shape[0]
-        cache = ArenaCache(
-            buf, table, handles, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), spec,
-            kernels,
-        )  # fmt: skip
+        cache = arena_cache(buf, table, handles, spec, kernels)
         acc = jnp.float32(0)
         for i in range(layers):
             q, k, v, g, beta, x = layer_inputs(inputs, i)
@@ -315,11 +312,7 @@ def build_prefill(spec: ArenaSpec, layers: int, impl: str):
         return (ssm, conv), (tuple(outs), acc)
 
     def cache_for(buf, table, handles, kernels=XLA_KERNELS):
-        b = handles.shape[0]
-        return ArenaCache(
-            buf, table, handles, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32), spec,
-            kernels,
-        )  # fmt: skip
+        return arena_cache(buf, table, handles, spec, kernels)
 
     def arena(buf, *inputs, table, handles):
         cache = cache_for(buf, table, handles)
@@ -397,8 +390,13 @@ def run_prefill(args, on_row=None) -> tuple[list[dict], dict]:
     else:
         bw = copy_bandwidth(min(1 << 30, max(64 << 20, 4 * slot_bytes)), args.reps)
     rows = []
-    meta = dict(step="prefill", prefill_impl=args.prefill_impl, chunk_impl=None,
-                state_tol=STATE_TOL, out_tol=OUT_TOL)  # fmt: skip
+    meta = dict(
+        step="prefill",
+        prefill_impl=args.prefill_impl,
+        chunk_impl=None,
+        state_tol=STATE_TOL,
+        out_tol=OUT_TOL,
+    )
     for b in args.batch:
         ssm0 = 0.05 * jax.random.normal(jax.random.PRNGKey(100 + b), (lg, b, hv, kd, vd))
         conv0 = jax.random.normal(
@@ -422,10 +420,8 @@ def run_prefill(args, on_row=None) -> tuple[list[dict], dict]:
             times["arena"] = median_time(astep, jnp.copy(first), inputs, args.reps)
             times["arena_kernel"] = median_time(kstep, jnp.copy(first), inputs, args.reps)
             moved = prefill_bytes(spec, lg, b, t, hk)
-            row = dict(
-                batch=b, chunk=t, gdn_layers=lg, chunk_impl=resolved, bytes_moved=moved,
-                floor_s=moved / bw, copy_bandwidth_Bps=bw,
-            )  # fmt: skip
+            row = dict(batch=b, chunk=t, gdn_layers=lg, chunk_impl=resolved, bytes_moved=moved)
+            row.update(floor_s=moved / bw, copy_bandwidth_Bps=bw)
             for name, s in times.items():
                 row[f"{name}_s"] = s
                 row[f"{name}_GBps"] = moved / s / 1e9
@@ -518,7 +514,9 @@ def arena_with_states(layout, count: int):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.arena_read",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--config", type=Path, default=CONFIG, help="HF config.json (default: %(default)s)"

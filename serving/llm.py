@@ -15,8 +15,8 @@ import numpy as np
 
 from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
 from serving.engine import Engine, buckets_for, make_drafter
+from serving.kernels import KERNEL_CHOICES
 from serving.memory import MemoryManager, layout_for
-from serving.memory.model_cache import KERNEL_CHOICES
 from serving.params import SamplingParams, SpecConfig
 from serving.runner import ArenaRunner, ModelRunner, MTPRunner
 from serving.scheduler import Request, Scheduler

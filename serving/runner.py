@@ -5,7 +5,7 @@ Two storages, one set of step functions (:mod:`gdn_jax.models.steps`):
 - :class:`ArenaRunner` (the engine's default for the target model): the cache lives only in
   the memory manager's arena (``MemoryManager.arena.buffer``, donated to every step so it is
   updated in place), addressed by the requests' ``state`` and ``kv`` handles through the
-  manager's device handle table (:class:`serving.memory.model_cache.ArenaCache`); the draft
+  manager's device handle table (:class:`serving.arena_cache.ArenaCache`); the draft
   tree's state between verify and commit goes into the requests' ``stash`` / ``snapshot``
   units the same way (:meth:`ArenaRunner.verify`). Migrations and compactions move units and
   update the table; the next step reads the new table.
@@ -34,14 +34,10 @@ from flax import nnx
 from gdn_jax.models import steps
 from gdn_jax.models.cache import ModelCache, TreeState, init_cache
 from gdn_jax.models.model import HybridLM
+from serving.arena_cache import ArenaCache
+from serving.arena_spec import ArenaSpec
+from serving.kernels import XLA_KERNELS, ArenaKernels, select_kernels
 from serving.memory import MemoryManager
-from serving.memory.model_cache import (
-    XLA_KERNELS,
-    ArenaCache,
-    ArenaKernels,
-    ArenaSpec,
-    select_kernels,
-)
 
 
 def _rows(pool: ModelCache, slots, page_table, lengths, *, fresh: bool = False) -> ModelCache:
@@ -144,8 +140,8 @@ class ModelRunner:
             dtype=dtype,
         )
         graphdef, self._state = nnx.split(model)
-        (self._prefill, self._decode, self._verify, self._commit,
-         self._tree_logits) = _programs(graphdef)  # fmt: skip
+        programs = _programs(graphdef)
+        self._prefill, self._decode, self._verify, self._commit, self._tree_logits = programs
 
     def compiled(self) -> int:
         """Programs compiled so far by this runner's step functions."""
@@ -234,8 +230,8 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
         return steps.commit(cache, tree, path, path_len).buffer
 
     def tree_logits(state, buf, table, handles, pages, lengths, tokens, parents):
-        return verify(state, buf, table, handles, pages, lengths, tokens, parents,
-                      snapshot=False)[0]  # fmt: skip
+        out = verify(state, buf, table, handles, pages, lengths, tokens, parents, snapshot=False)
+        return out[0]
 
     prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels))
     if kernels.decode:
@@ -254,7 +250,7 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
 
 def _attention_only(kernels: ArenaKernels) -> ArenaKernels:
     """The part of ``kernels`` that prefill (and the XLA-GDN decode) use: the paged attention
-    kernel (:func:`pallas_kernels.arena_attention.paged_attention`) or none."""
+    kernel (:func:`pallas_kernels.attention.arena.paged_attention`) or none."""
     if not kernels.attention:
         return XLA_KERNELS
     return ArenaKernels(attention=True, interpret=kernels.interpret, strict=kernels.strict)
@@ -287,7 +283,7 @@ def _arena_sequence_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = 
 def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels):
     """Decode over the arena (``buf`` donated and returned): one token through
     :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run
-    :func:`pallas_kernels.arena_decode.recurrent_step` on the states in place
+    :func:`pallas_kernels.decode.arena.recurrent_step` on the states in place
     (``ArenaCache.gdn_step_rule``), else XLA state windows; with ``kernels.attention`` its
     attention layers read the KV pages in place (``ArenaCache.attention``)."""
 
@@ -316,21 +312,21 @@ class ArenaRunner:
     step (``table_uploads`` counts the uploads).
 
     ``kernels``: how :meth:`verify` and :meth:`commit` touch the arena
-    (:func:`serving.memory.model_cache.select_kernels`):
+    (:func:`serving.kernels.select_kernels`):
 
     - ``"xla"``: XLA windows (gathers of each GDN layer's state window and of each attention
       layer's pages; scatters of the committed states);
     - ``"pallas"``: the Pallas kernels read the arena in place through the handle table: the
-      GDN tree verify (:func:`pallas_kernels.arena.tree_verify`), the tree attention over the
-      KV pages (:func:`pallas_kernels.arena_attention.tree_attention`; prefill's and
-      decode's causal attention by :func:`pallas_kernels.arena_attention.paged_attention`),
-      the GDN commit (:func:`pallas_kernels.arena.tree_commit`, the arena aliased, so in
-      place) and
-      :meth:`decode`'s GDN layers (:func:`pallas_kernels.arena_decode.recurrent_step`, in
-      place); in interpret mode off GPU. A geometry the kernels do not take (``page_size`` / ``head_dim`` not a
-      power of two >= 16, GDN head dims not a power of two in [16, 256], a non-f32 recurrent
-      state) raises ``ValueError`` here, a tree of more than ``pallas_kernels.MAX_NODES``
-      nodes when verified;
+      GDN tree verify (:func:`pallas_kernels.verify.arena.tree_verify`), the tree attention
+      over the KV pages (:func:`pallas_kernels.attention.arena.tree_attention`; prefill's and
+      decode's causal attention by :func:`pallas_kernels.attention.arena.paged_attention`),
+      the GDN commit (:func:`pallas_kernels.commit.arena.tree_commit`, the arena aliased, so
+      in place) and :meth:`decode`'s GDN layers
+      (:func:`pallas_kernels.decode.arena.recurrent_step`, in place); in interpret mode off
+      GPU. A geometry the kernels do not take (``page_size`` / ``head_dim`` not a power of two
+      >= 16, GDN head dims not a power of two in [16, 256], a non-f32 recurrent state) raises
+      ``ValueError`` here, a tree of more than ``pallas_kernels.MAX_NODES`` nodes when
+      verified;
     - ``"auto"`` (default): ``"pallas"`` on a GPU backend for the parts whose geometry fits
       (and trees of at most 64 nodes), XLA otherwise; ``kernel_notes`` says why a part stayed
       on XLA. Decode's GDN layers take the decode kernel too (measured 1.6-2.8x faster than
@@ -338,14 +334,14 @@ class ArenaRunner:
       the paged attention kernel as prefill's do.
 
     :meth:`prefill`'s GDN layers read and write the states in place
-    (:func:`pallas_kernels.arena_prefill.recurrent_prefill`, a sequential scan) only with
-    ``"pallas"``: on the H200 it takes 1.38-1.97x the time of the windows + chunked prefill at the
-    default 64-token chunk (0.82-0.87x at 16; ``benchmarks/arena_read.py --step prefill``), so
-    ``"auto"`` keeps those. Not wired
-    to the kernels on any setting: the snapshot verify method, the conv state (a small
-    ``(W-1) x C`` window per layer), the K/V writes (new tokens', accepted nodes') and the
-    speculative scratch's writes and reads (one window per stash field; the commit kernel gets
-    the stash's ``k, u, g`` read out by XLA windows).
+    (:func:`pallas_kernels.decode.arena.recurrent_prefill`, a sequential scan) only with
+    ``"pallas"``: on the H200 it takes 1.38-1.97x the time of the windows + chunked prefill at
+    the default 64-token chunk (0.82-0.87x at 16; ``benchmarks/arena_read.py --step
+    prefill``), so ``"auto"`` keeps those. Not wired to the kernels on any setting: the
+    snapshot verify method, the conv state (a small ``(W-1) x C`` window per layer), the K/V
+    writes (new tokens', accepted nodes') and the speculative scratch's writes and reads (one
+    window per stash field; the commit kernel gets the stash's ``k, u, g`` read out by XLA
+    windows).
 
     The speculative scratch lives in the arena (:meth:`verify`): the tree state goes into the
     rows' ``stash`` / ``snapshot`` units, and :meth:`commit` reads it from there.
@@ -445,16 +441,11 @@ class ArenaRunner:
         :class:`gdn_jax.models.cache.TreeState` as a transient device value outside the arena
         until :meth:`commit` consumes it (the reference the in-arena path is checked
         against)."""
+        args = (self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents)
         if scratch is None:
-            return self._verify_transient(
-                self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents,
-                snapshot=snapshot,
-            )  # fmt: skip
+            return self._verify_transient(*args, snapshot=snapshot)
         scratch = np.asarray(scratch, np.int32)
-        logits, am, hidden, self._buf = self._verify(
-            self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents,
-            scratch, snapshot=snapshot,
-        )  # fmt: skip
+        logits, am, hidden, self._buf = self._verify(*args, scratch, snapshot=snapshot)
         return logits, am, hidden, scratch
 
     def tree_logits(self, handles, pages, lengths, tokens, parents):
@@ -462,7 +453,8 @@ class ArenaRunner:
         draft model drafts (one program that returns nothing else, so no transient tree
         state, hidden state or argmax is written out)."""
         return self._tree_logits(
-            self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents)
+            self._state, self._buf, self.table(), handles, pages, lengths, tokens, parents
+        )
 
     def commit(self, handles, pages, lengths, tree, path, path_len):
         """Accepts ``path[b, :path_len[b]]``: ``tree`` is what :meth:`verify` returned (the

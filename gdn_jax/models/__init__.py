@@ -1,6 +1,7 @@
 """Flax NNX Qwen3-Next / Qwen3.5 hybrid models: layers, HF loading, and the pure step functions
 (prefill, decode, verify_tree, commit) over paged KV and GDN state caches."""
 
+from gdn_jax.models.cache_protocol import StepCache
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.create import abstract_model, init_random
 from gdn_jax.models.loading import CheckpointError, from_pretrained
@@ -10,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "HybridLM",
     "ModelConfig",
+    "StepCache",
     "abstract_model",
     "from_pretrained",
     "init_random",

@@ -13,11 +13,11 @@ layers likewise):
 ``TreeState`` is what ``verify_tree`` hands to ``commit``: per GDN layer a :class:`TreeCache`
 and the pre-conv inputs of the nodes, per attention layer the draft K/V of the nodes.
 
-The step functions touch a cache only through the methods below (``lengths``, ``gdn_state``,
-``with_gdn_state``, ``write_kv``, ``attention``, ``with_lengths``), so another storage with the
-same methods works too: the serving engine's arena-backed cache
-(``serving.memory.model_cache.ArenaCache``) reads and writes the memory manager's arena through
-its handle table instead of these per-layer arrays.
+``ModelCache`` implements :class:`gdn_jax.models.cache_protocol.StepCache`, the contract the
+step functions call; its in-place hooks all return ``None`` (the default XLA path). Another
+storage implementing the contract works too: the serving engine's arena-backed cache
+(``serving.arena_cache.ArenaCache``) reads and writes the memory manager's arena through its
+handle table instead of these per-layer arrays.
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ import jax
 import jax.numpy as jnp
 
 from gdn_jax import TreeCache
+from gdn_jax.models.cache_protocol import SequenceRule, TreeRule
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.tree_attention import paged_attention, write_pages
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelCache:
+    """The cache as per-layer arrays (module docstring); a
+    :class:`gdn_jax.models.cache_protocol.StepCache`."""
+
     conv: jax.Array
     ssm: jax.Array
     k_pages: jax.Array
@@ -50,7 +54,16 @@ class ModelCache:
             self, conv=self.conv.at[gi].set(conv), ssm=self.ssm.at[gi].set(ssm)
         )
 
-    def write_kv(self, ai, positions, k, v, valid) -> ModelCache:
+    def gdn_conv_state(self, gi: int) -> jax.Array:
+        """``conv [B, W-1, C]`` of GDN layer ``gi``."""
+        return self.conv[gi]
+
+    def with_gdn_conv_state(self, gi: int, conv: jax.Array) -> ModelCache:
+        return dataclasses.replace(self, conv=self.conv.at[gi].set(conv))
+
+    def write_kv(
+        self, ai: int, positions: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array
+    ) -> ModelCache:
         """Attention layer ``ai``'s ``k, v [B, T, Hkv, D]`` written at ``positions [B, T]``
         where ``valid`` (see :func:`write_pages`)."""
         kp = write_pages(self.k_pages[ai], self.page_table, positions, k, valid)
@@ -59,14 +72,50 @@ class ModelCache:
             self, k_pages=self.k_pages.at[ai].set(kp), v_pages=self.v_pages.at[ai].set(vp)
         )
 
-    def attention(self, ai, q, kv_len, q_pos, **kwargs) -> jax.Array:
+    def attention(
+        self,
+        ai: int,
+        q: jax.Array,
+        kv_len: jax.Array,
+        q_pos: jax.Array,
+        *,
+        scale: float,
+        draft_k: jax.Array | None = None,
+        draft_v: jax.Array | None = None,
+        draft_mask: jax.Array | None = None,
+    ) -> jax.Array:
         """:func:`paged_attention` of ``q`` over attention layer ``ai``'s committed KV."""
         return paged_attention(
-            q, self.k_pages[ai], self.v_pages[ai], self.page_table, kv_len, q_pos, **kwargs
+            q,
+            self.k_pages[ai],
+            self.v_pages[ai],
+            self.page_table,
+            kv_len,
+            q_pos,
+            scale=scale,
+            draft_k=draft_k,
+            draft_v=draft_v,
+            draft_mask=draft_mask,
         )
 
     def with_lengths(self, lengths: jax.Array) -> ModelCache:
         return dataclasses.replace(self, lengths=lengths)
+
+    # The in-place hooks: this storage has none, every GDN layer takes the default XLA path.
+
+    def gdn_step_rule(self, gi: int) -> SequenceRule | None:
+        return None
+
+    def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array) -> SequenceRule | None:
+        return None
+
+    def gdn_tree_rule(self, gi: int, n: int) -> TreeRule | None:
+        return None
+
+    def commit_gdn_state(
+        self, gi: int, tc: TreeCache, path: jax.Array, path_len: jax.Array
+    ) -> ModelCache | None:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

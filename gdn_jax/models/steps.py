@@ -10,22 +10,22 @@
 - :func:`commit`: the accepted chain ``path[:path_len]``: GDN by ``tree_commit``, conv by
   ``tree_conv_commit``, the accepted nodes' K/V written at ``L .. L+m-1``, ``L += m``.
 
-A storage may also read the GDN recurrent states in place (the serving arena with its Pallas
-kernels): ``verify_tree`` asks ``cache.gdn_tree_rule(gi, N)`` for a tree-verify rule that
-reads layer ``gi``'s state itself (then only ``cache.gdn_conv_state(gi)`` is read), and
-``commit`` asks ``cache.commit_gdn_state(gi, tree_cache, path, path_len)`` to commit it in
-place (then the conv state goes through ``gdn_conv_state`` / ``with_gdn_conv_state``); a
-one-token :func:`prefill` / :func:`decode` asks ``cache.gdn_step_rule(gi)`` (a longer
-:func:`prefill`, ``cache.gdn_prefill_rule(gi, num_tokens)``) for a rule that reads and writes
-layer ``gi``'s recurrent state itself and returns the updated cache. Each returns ``None`` to
-take the default path; a storage without them always does.
-
 Each takes the model first; jit them with ``nnx.jit`` (or split the model and close over the
-graph). They touch the cache only through its methods (``lengths``, ``gdn_state``,
-``with_gdn_state``, ``write_kv``, ``attention``, ``with_lengths``): a :class:`ModelCache` of
-per-layer arrays, or any storage with the same methods (the serving engine's arena-backed
-cache). ``verify_tree`` then ``commit`` then ``decode(next)`` equals decoding the accepted
-tokens one by one.
+graph). They touch the cache only through :class:`gdn_jax.models.cache_protocol.StepCache`
+(``lengths``, ``gdn_state``, ``with_gdn_state``, ``write_kv``, ``attention``, ``with_lengths``
+and the in-place hooks): a :class:`ModelCache` of per-layer arrays, or any storage implementing
+the protocol (the serving engine's arena-backed cache). ``verify_tree`` then ``commit`` then
+``decode(next)`` equals decoding the accepted tokens one by one.
+
+The hooks let a storage handle GDN layer ``gi``'s recurrent state itself (the serving arena
+with its Pallas kernels): a one-token :func:`prefill` / :func:`decode` asks
+``cache.gdn_step_rule(gi)`` (a longer :func:`prefill`, ``cache.gdn_prefill_rule(gi,
+num_tokens)``) for a rule that reads and writes the state and returns the updated cache;
+``verify_tree`` asks ``cache.gdn_tree_rule(gi, N)`` for a tree-verify rule that reads it;
+``commit`` asks ``cache.commit_gdn_state(gi, tree_cache, path, path_len)`` to commit it. With
+a hook's answer only the conv state goes through the step function
+(``gdn_conv_state`` / ``with_gdn_conv_state``); ``None`` takes the default path
+(``gdn_state`` / ``with_gdn_state``), which a :class:`ModelCache` always does.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from gdn_jax import (
     tree_commit,
     tree_conv_commit,
 )
-from gdn_jax.models.cache import ModelCache, TreeState
+from gdn_jax.models.cache import TreeState
+from gdn_jax.models.cache_protocol import StepCache
 from gdn_jax.models.config import LINEAR
 from gdn_jax.models.model import HybridLM
 
@@ -49,11 +50,11 @@ from gdn_jax.models.model import HybridLM
 def _sequence(
     model: HybridLM,
     tokens: jax.Array,
-    cache: ModelCache,
+    cache: StepCache,
     num_tokens: jax.Array,
     *,
     recurrent: bool,
-) -> tuple[jax.Array, ModelCache]:
+) -> tuple[jax.Array, StepCache]:
     """Normed hidden states ``[B, T, H]`` of ``tokens`` appended at ``cache.lengths``."""
     t = tokens.shape[1]
     start = cache.lengths
@@ -65,10 +66,10 @@ def _sequence(
     for layer in model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == LINEAR:
-            rule = None
-            if t == 1 and hasattr(cache, "gdn_step_rule"):
+            rule = None  # T = 0 takes the default path
+            if t == 1:
                 rule = cache.gdn_step_rule(gi)
-            elif t > 1 and hasattr(cache, "gdn_prefill_rule"):
+            elif t > 1:
                 rule = cache.gdn_prefill_rule(gi, num_tokens)
             if rule is None:
                 conv, ssm = cache.gdn_state(gi)
@@ -96,7 +97,7 @@ def _sequence(
 def prefill(
     model: HybridLM,
     tokens: Int[Array, "B T"],
-    cache: ModelCache,
+    cache: StepCache,
     num_tokens: Int[Array, " B"] | None = None,
     *,
     all_logits: bool = False,
@@ -124,8 +125,8 @@ def prefill(
 
 
 def decode(
-    model: HybridLM, tokens: Int[Array, " B"], cache: ModelCache
-) -> tuple[Float[Array, "B V"], ModelCache]:
+    model: HybridLM, tokens: Int[Array, " B"], cache: StepCache
+) -> tuple[Float[Array, "B V"], StepCache]:
     """One token per row: ``(logits [B, V], cache)`` with ``lengths + 1``."""
     b = tokens.shape[0]
     hidden, cache = _sequence(
@@ -138,7 +139,7 @@ def verify_tree(
     model: HybridLM,
     tokens: Int[Array, "B N"],
     parents: Int[Array, "B N"],
-    cache: ModelCache,
+    cache: StepCache,
     *,
     return_hidden: bool = False,
     snapshot: bool = False,
@@ -160,9 +161,7 @@ def verify_tree(
     for layer in model.layers:
         h = layer.input_layernorm(x)
         if layer.layer_type == LINEAR:
-            rule = None
-            if not snapshot and hasattr(cache, "gdn_tree_rule"):
-                rule = cache.gdn_tree_rule(gi, n)
+            rule = None if snapshot else cache.gdn_tree_rule(gi, n)
             if rule is None:
                 conv, ssm = cache.gdn_state(gi)
             else:  # the rule reads the recurrent state in place
@@ -203,17 +202,17 @@ def _stack(xs: list[jax.Array]) -> jax.Array:
 
 
 def commit(
-    cache: ModelCache,
+    cache: StepCache,
     tree: TreeState,
     path: Int[Array, "B D"],
     path_len: Int[Array, " B"],
-) -> ModelCache:
+) -> StepCache:
     """The cache after accepting ``path[b, :path_len[b]]`` (node ids, root to leaf)."""
     path = jnp.asarray(path, jnp.int32)
     path_len = jnp.asarray(path_len, jnp.int32)
     d = path.shape[1]
     for gi, tc in enumerate(tree.gdn):
-        if isinstance(tc, TreeCache) and hasattr(cache, "commit_gdn_state"):
+        if isinstance(tc, TreeCache):
             committed = cache.commit_gdn_state(gi, tc, path, path_len)
             if committed is not None:  # the recurrent state committed in place
                 conv = committed.gdn_conv_state(gi)

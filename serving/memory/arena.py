@@ -7,6 +7,11 @@ words, read as ``bitcast(words) -> [words, 2] -> [:n] -> shape``.
 
 Addresses are ``(segment, word)`` pairs of int32: a 2-D buffer keeps both indices far below
 2**31 even for arenas of hundreds of GiB, which a flat int32 index could not reach.
+
+Jittable access: :func:`view` reads one field of one handle through the device table;
+:func:`gather_windows` / :func:`scatter_windows` read / write one window of words per row of a
+batch of addresses; :func:`words_to_field` / :func:`field_to_words` convert between words and
+typed values.
 """
 
 from __future__ import annotations
@@ -21,25 +26,60 @@ from jax import numpy as jnp
 
 from serving.memory.layout import WORD_BYTES, Field
 
+_MODE = lax.GatherScatterMode.FILL_OR_DROP
 
-def words_to_field(raw: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-    """Reinterpret ``uint32`` words ``raw [w]`` as an array of ``shape`` and ``dtype``."""
-    dtype = np.dtype(dtype)
+
+def words_to_field(raw: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Reinterpret ``uint32`` words ``raw [..., w]`` as ``[..., *shape]`` of ``dtype``: the
+    first ``prod(shape)`` elements of their bits, per index of the leading axes."""
+    dtype = jnp.dtype(dtype)
     if dtype.itemsize > WORD_BYTES:
         raise ValueError(f"dtype {dtype} is wider than a 4-byte arena word")
-    out = lax.bitcast_convert_type(raw, dtype)  # [w] or [w, 4 // itemsize]
-    return out.reshape(-1)[: math.prod(shape)].reshape(shape)
+    lead = raw.shape[:-1]
+    out = lax.bitcast_convert_type(raw, dtype)  # [..., w] or [..., w, 4 // itemsize]
+    n = math.prod(shape)
+    if math.prod(out.shape[len(lead) :]) != n:  # the last word's padding
+        out = out.reshape(*lead, -1)[..., :n]
+    return out.reshape(*lead, *shape)
 
 
-def field_to_words(value: jax.Array) -> jax.Array:
-    """Inverse of :func:`words_to_field`: the bits of ``value`` as ``uint32`` words."""
+def field_to_words(value: jax.Array, rows: int | None = None) -> jax.Array:
+    """Inverse of :func:`words_to_field`: the bits of ``value`` as ``uint32`` words, the last
+    one zero-padded; ``[w]``, or with ``rows`` (``value``'s leading axes, flattened) one row of
+    words per index, ``[rows, w]``."""
+    lead = () if rows is None else (rows,)
     ratio = WORD_BYTES // value.dtype.itemsize
-    flat = value.reshape(-1)
-    if ratio == 1:
-        return lax.bitcast_convert_type(flat, jnp.uint32)
-    pad = (-flat.shape[0]) % ratio
-    flat = jnp.pad(flat, (0, pad))
-    return lax.bitcast_convert_type(flat.reshape(-1, ratio), jnp.uint32)
+    flat = value.reshape(*lead, -1)
+    pad = -flat.shape[-1] % ratio
+    if pad:
+        flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)])
+    if ratio > 1:
+        flat = flat.reshape(*lead, -1, ratio)
+    return lax.bitcast_convert_type(flat, jnp.uint32)
+
+
+def gather_windows(buffer: jax.Array, seg: jax.Array, word: jax.Array, words: int) -> jax.Array:
+    """``buffer[seg[i], word[i] : word[i] + words]`` for every index ``i`` (any batch shape):
+    ``uint32 [..., words]``. An out-of-range ``seg`` (e.g. ``num_segments``) reads zeros.
+
+    The batched :func:`view`: one gather for many handles' windows."""
+    idx = jnp.stack([seg, word], axis=-1).astype(jnp.int32)
+    dnums = lax.GatherDimensionNumbers(
+        offset_dims=(idx.ndim - 1,), collapsed_slice_dims=(0,), start_index_map=(0, 1)
+    )
+    return lax.gather(buffer, idx, dnums, slice_sizes=(1, words), mode=_MODE, fill_value=0)
+
+
+def scatter_windows(
+    buffer: jax.Array, seg: jax.Array, word: jax.Array, rows: jax.Array
+) -> jax.Array:
+    """``buffer[seg[i], word[i] : word[i] + w] = rows[i]`` (``rows uint32 [n, w]``, ``seg,
+    word [n]``); out-of-range windows are dropped. In place when ``buffer`` is donated."""
+    idx = jnp.stack([seg, word], axis=-1).astype(jnp.int32)
+    dnums = lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
+    )
+    return lax.scatter(buffer, idx, rows, dnums, mode=_MODE)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "words"))
@@ -86,7 +126,8 @@ class Arena:
     def __init__(self, num_segments: int, segment_words: int, device: jax.Device | None = None):
         if num_segments < 1 or segment_words < 1:
             raise ValueError(
-                f"arena needs >= 1 segment of >= 1 word, got {num_segments} x {segment_words}")
+                f"arena needs >= 1 segment of >= 1 word, got {num_segments} x {segment_words}"
+            )
         self.num_segments = num_segments
         self.segment_words = segment_words
         self.buffer = jnp.zeros((num_segments, segment_words), jnp.uint32, device=device)
@@ -96,16 +137,29 @@ class Arena:
         return self.num_segments * self.segment_words * WORD_BYTES
 
     def read(self, seg: int, word: int, field: Field) -> jax.Array:
-        return _read_field(self.buffer, np.int32(seg), np.int32(word + field.word_offset),
-                           shape=field.shape, dtype=field.dtype, words=field.words)
+        return _read_field(
+            self.buffer,
+            np.int32(seg),
+            np.int32(word + field.word_offset),
+            shape=field.shape,
+            dtype=field.dtype,
+            words=field.words,
+        )
 
     def write(self, seg: int, word: int, field: Field, value: jax.Array) -> None:
-        self.buffer = _write_words(self.buffer, np.int32(seg),
-                                   np.int32(word + field.word_offset), value)
+        self.buffer = _write_words(
+            self.buffer, np.int32(seg), np.int32(word + field.word_offset), value
+        )
 
     def read_words(self, seg: int, word: int, words: int) -> jax.Array:
-        return _read_field(self.buffer, np.int32(seg), np.int32(word), shape=(words,),
-                           dtype=np.dtype(np.uint32), words=words)
+        return _read_field(
+            self.buffer,
+            np.int32(seg),
+            np.int32(word),
+            shape=(words,),
+            dtype=np.dtype(np.uint32),
+            words=words,
+        )
 
     def move(self, moves: list[tuple[int, int, int, int]], words: int) -> None:
         """Copy units of ``words`` words on device, one jitted call for the whole batch."""

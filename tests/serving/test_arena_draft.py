@@ -18,8 +18,8 @@ import pytest
 from gdn_jax.models import init_random
 from gdn_jax.models.config import LINEAR
 from serving import LLM, SamplingParams, SpecConfig
+from serving.arena_spec import ArenaSpec
 from serving.memory import HybridLayout, layout_for
-from serving.memory.model_cache import ArenaSpec
 from tests.serving.conftest import ENGINE, prompts, sharpened, tiny_config
 from tests.serving.test_arena_cache import _engine_arrays, compacting, drive
 
@@ -82,10 +82,17 @@ def test_draft_fields_share_the_target_units(target, draft):
 
 def test_layout_validation():
     cfg = dict(
-        num_hidden_layers=4, full_attention_interval=4, num_key_value_heads=1, head_dim=16,
-        hidden_size=32, num_attention_heads=2, linear_num_key_heads=1, linear_num_value_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16,
-    )  # fmt: skip
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        hidden_size=32,
+        num_attention_heads=2,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
     lay = layout_for(cfg, 8)
     with pytest.raises(ValueError, match="draft"):
         ArenaSpec.from_layout(lay, jnp.float32, draft=True)
@@ -109,9 +116,12 @@ def test_arena_draft_makes_the_pools_drafts(name, target, draft, pools_runs):
 
     unit = max(llm.layout.unit_bytes(k) for k in ("kv", "state", "snapshot", "stash"))
     llm = LLM(
-        target, speculative=_spec(name, draft), memory_budget=48 * unit, segment_bytes=unit,
+        target,
+        speculative=_spec(name, draft),
+        memory_budget=48 * unit,
+        segment_bytes=unit,
         **ENGINE,
-    )  # fmt: skip
+    )
     moved, reqs = [], []
     out = drive(llm, prompts(6), PARAMS, compacting(moved), reqs)
     assert out == tokens

@@ -18,7 +18,8 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from serving import LLM, SamplingParams, SpecConfig
-from serving.memory.model_cache import ArenaCache, select_kernels
+from serving.arena_cache import ArenaCache
+from serving.kernels import select_kernels
 from serving.runner import ArenaRunner
 from tests.serving.conftest import ENGINE, VOCAB, prompts
 
@@ -127,13 +128,9 @@ def _programs(runner, args):
     """The primitives of the runner's verify and commit programs on ``args``."""
     handles, pages, lens, tokens, parents, path, path_len = args
     buf, table = runner.manager.arena.buffer, runner.table()
-    verify = jax.make_jaxpr(lambda *a: runner._verify(*a, snapshot=False))(
-        runner._state, buf, table, handles, pages, lens, tokens, parents
-    )
-    tree = jax.eval_shape(
-        lambda *a: runner._verify(*a, snapshot=False),
-        runner._state, buf, table, handles, pages, lens, tokens, parents,
-    )[3]  # fmt: skip
+    verify_args = (runner._state, buf, table, handles, pages, lens, tokens, parents)
+    verify = jax.make_jaxpr(lambda *a: runner._verify(*a, snapshot=False))(*verify_args)
+    tree = jax.eval_shape(lambda *a: runner._verify(*a, snapshot=False), *verify_args)[3]
     commit = jax.make_jaxpr(runner._commit)(buf, table, handles, pages, lens, tree, path, path_len)
     return _primitives(verify.jaxpr, []), _primitives(commit.jaxpr, [])
 
@@ -200,13 +197,26 @@ def test_kernel_option_validation(target, llms):
     # the tree attention kernel checks the same limit before it traces anything
     strict = dataclasses.replace(select_kernels("pallas", spec)[0], max_nodes=4)
     cache = ArenaCache(
-        jnp.zeros((1, 8), jnp.uint32), jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32),
-        jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), spec, strict,
-    )  # fmt: skip
+        jnp.zeros((1, 8), jnp.uint32),
+        jnp.zeros((1, 2), jnp.int32),
+        jnp.zeros((1,), jnp.int32),
+        jnp.zeros((1, 1), jnp.int32),
+        jnp.ones((1,), jnp.int32),
+        spec,
+        strict,
+    )
     d = jnp.zeros((1, 5, spec.kv_heads, spec.head_dim), jnp.float32)
     with pytest.raises(ValueError, match="tree attention kernel takes trees of at most 4"):
-        cache.attention(0, d, jnp.ones((1,), jnp.int32), jnp.zeros((1, 5), jnp.int32), scale=1.0,
-                        draft_k=d, draft_v=d, draft_mask=jnp.ones((1, 5, 5), bool))  # fmt: skip
+        cache.attention(
+            0,
+            d,
+            jnp.ones((1,), jnp.int32),
+            jnp.zeros((1, 5), jnp.int32),
+            scale=1.0,
+            draft_k=d,
+            draft_v=d,
+            draft_mask=jnp.ones((1, 5, 5), bool),
+        )
 
 
 def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
@@ -303,10 +313,13 @@ def test_prefill_pallas_equals_xla_without_page_gathers(llms, target):
         handles[i] = mm.alloc(rid, "state")[0]
         pages[i, :2] = mm.alloc(rid, "kv", 2)
     chunks = [
-        (np.minimum(lens, start).astype(np.int32), rng.integers(0, VOCAB, (b, 16)).astype(np.int32),
-         np.clip(lens - start, 0, 16).astype(np.int32))
+        (
+            np.minimum(lens, start).astype(np.int32),
+            rng.integers(0, VOCAB, (b, 16)).astype(np.int32),
+            np.clip(lens - start, 0, 16).astype(np.int32),
+        )
         for start in (0, 16)
-    ]  # fmt: skip
+    ]
     base = np.asarray(mm.arena.buffer).copy()
     for _, kind, rid, seg, word, words in mm.live():
         if rid == rows[1] and kind == "state":  # stale bits, NaN patterns included

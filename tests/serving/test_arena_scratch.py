@@ -23,8 +23,9 @@ from flax import nnx
 from gdn_jax import TreeCache
 from gdn_jax.models import steps
 from serving import LLM, SamplingParams, SpecConfig
+from serving.arena_cache import ArenaCache
+from serving.memory.arena import field_to_words
 from serving.memory.layout import WORD_BYTES
-from serving.memory.model_cache import ArenaCache, _pack
 from serving.runner import ArenaRunner
 from tests.serving.conftest import ENGINE, VOCAB, prompts, tiny_config
 from tests.serving.test_arena_kernels_engine import _primitives
@@ -128,7 +129,7 @@ def _batch(llm, verify, seed):
 
 def _words(x, dtype) -> np.ndarray:
     """``x`` as the arena stores it: ``uint32`` words, bit for bit."""
-    return np.asarray(_pack(x[None], 1, dtype))[0]
+    return np.asarray(field_to_words(x[None].astype(dtype), 1))[0]
 
 
 def _stash_want(tree, b):
@@ -254,8 +255,9 @@ def _roundtrip_is_exact(llm, verify, cache_rows, tokens, parents, scratch, path,
     def write_read(buf, table, handles, pages, lengths, tokens, parents, scratch, path, plen):
         cache = ArenaCache(buf, table, handles, pages, lengths, sp, runner.kernel_choice)
         m = nnx.merge(*nnx.split(llm.model))
-        _, t, _ = steps.verify_tree(m, tokens, parents, cache, return_hidden=True,
-                                    snapshot=snapshot)  # fmt: skip
+        _, t, _ = steps.verify_tree(
+            m, tokens, parents, cache, return_hidden=True, snapshot=snapshot
+        )
         cache = cache.write_tree_state(t, scratch)
         return t, cache.buffer, cache.read_tree_state(scratch, path, plen, qk_l2norm=True)
 
@@ -290,8 +292,9 @@ def _roundtrip_is_exact(llm, verify, cache_rows, tokens, parents, scratch, path,
 def test_scratch_roundtrip_is_exact_in_bfloat16(verify):
     """The engine's bf16 layout (keys, pre-conv inputs and draft K/V two to a word): the units
     hold the tree state and give it back bit for bit."""
-    llm = LLM(tiny_config(), speculative=SPECS[verify], kernels="xla",
-              **dict(GEOM, dtype="bfloat16"))  # fmt: skip
+    llm = LLM(
+        tiny_config(), speculative=SPECS[verify], kernels="xla", **dict(GEOM, dtype="bfloat16")
+    )
     assert llm.runner.spec.kv_dtype == llm.runner.spec.conv_dtype == "bfloat16"
     rows, cache_rows, tokens, parents, scratch, path, path_len = _batch(llm, verify, seed=7)
     mm = llm.manager
@@ -321,8 +324,11 @@ def test_verify_returns_no_tree_state_and_kernels_stay_wired(verify, llms):
         outs = jax.eval_shape(lambda *a, r=runner: r._verify(*a, snapshot=snapshot), *args, scratch)
         b, n = tokens.shape
         assert [o.shape for o in outs] == [
-            (b, n, VOCAB), (b, n), (b, n, llm.config.hidden_size), mm.arena.buffer.shape
-        ]  # fmt: skip
+            (b, n, VOCAB),
+            (b, n),
+            (b, n, llm.config.hidden_size),
+            mm.arena.buffer.shape,
+        ]
         small = sum(np.prod(o.shape) * o.dtype.itemsize for o in outs[:3])
         assert small <= b * n * (VOCAB + llm.config.hidden_size + 1) * 4
         lowered = runner._verify.lower(*args, scratch, snapshot=snapshot).as_text()
@@ -342,13 +348,15 @@ def test_verify_returns_no_tree_state_and_kernels_stay_wired(verify, llms):
             )
             for prims in (verify_p, commit_p):
                 assert not [
-                    e for p, e in prims
+                    e
+                    for p, e in prims
                     if p == "gather" and e.params["slice_sizes"][-1] == sp.state_words
-                ]  # fmt: skip
+                ]
                 assert not [
-                    e for p, e in prims
+                    e
+                    for p, e in prims
                     if p == "scatter" and e.invars[2].aval.shape[-1] == sp.state_words
-                ]  # fmt: skip
+                ]
             names = lambda ps: sorted(e.params["name"] for p, e in ps if p == "pallas_call")  # noqa: E731
             assert names(commit_p) == ["gdn_tree_commit_arena"] * sp.gdn_layers
             assert names(verify_p).count("gdn_tree_verify_arena") == sp.gdn_layers

@@ -1,0 +1,167 @@
+"""Which arena steps run on the in-place Pallas kernels: :class:`ArenaKernels`, chosen by
+:func:`select_kernels` (``ArenaRunner(kernels=)``, ``LLM(kernels=)``).
+
+With the kernels, :class:`serving.arena_cache.ArenaCache` reads the arena in place through the
+handle table: the tree verify's GDN recurrent states
+(:func:`pallas_kernels.verify.arena.tree_verify`), every attention layer's KV pages (the tree
+verify's by :func:`pallas_kernels.attention.arena.tree_attention`, decode's and prefill's,
+causal, by :func:`pallas_kernels.attention.arena.paged_attention`), the commit's recurrent
+states (:func:`pallas_kernels.commit.arena.tree_commit`, the arena aliased), decode's GDN
+layers (:func:`pallas_kernels.decode.arena.recurrent_step`, the arena aliased) and, with
+``kernels="pallas"`` only, prefill's GDN layers
+(:func:`pallas_kernels.decode.arena.recurrent_prefill`, the arena aliased; ``kernels="auto"``
+keeps XLA's chunked prefill). A geometry the kernels do not take (the misfit checks below)
+stays on XLA windows, or raises with ``kernels="pallas"``.
+
+``"auto"`` takes the tree kernels up to :data:`gdn_jax.pallas_routes.AUTO_MAX_NODES` nodes
+(where the dense kernels were measured faster than XLA on the H200); an explicit ``"pallas"``
+up to :data:`pallas_kernels.MAX_NODES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from serving.arena_spec import ArenaSpec
+
+KERNEL_CHOICES = ("xla", "pallas", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaKernels:
+    """Static choice of which arena steps run on the in-place kernels (:func:`select_kernels`).
+
+    - ``gdn``: GDN tree verify and commit by :mod:`pallas_kernels.verify.arena` and
+      :mod:`pallas_kernels.commit.arena` (the recurrent states read, and committed, in place
+      through the table) instead of XLA state windows;
+    - ``attention``: every attention layer by :mod:`pallas_kernels.attention.arena` (the KV
+      pages read in place) instead of XLA's page gather: the tree verify's
+      (``tree_attention``), decode's and prefill's (``paged_attention``, causal);
+    - ``decode``: the decode step's GDN layers by :mod:`pallas_kernels.decode.arena` (the
+      recurrent states read and written in place) instead of XLA state windows;
+    - ``prefill``: prefill's GDN layers (``T > 1`` tokens per row) by
+      :mod:`pallas_kernels.decode.arena` (the initial states read, the final ones written, in
+      place) instead of XLA state windows and the chunked rule;
+    - ``interpret``: run them in Pallas interpret mode (any non-GPU backend);
+    - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
+      ``ValueError`` when ``strict`` (``kernels="pallas"`` asked for explicitly).
+    """
+
+    gdn: bool = False
+    attention: bool = False
+    decode: bool = False
+    prefill: bool = False
+    interpret: bool = False
+    max_nodes: int = 0
+    strict: bool = False
+
+    @property
+    def name(self) -> str:
+        """``"pallas"`` when any step uses a kernel, else ``"xla"``."""
+        return "pallas" if self.gdn or self.attention or self.decode or self.prefill else "xla"
+
+    def takes(self, n: int, what: str) -> bool:
+        """Whether a tree of ``n`` nodes goes to the kernels (static, at trace time)."""
+        if n <= self.max_nodes:
+            return True
+        if self.strict:
+            raise ValueError(
+                f"kernels='pallas': the arena {what} kernel takes trees of at most "
+                f"{self.max_nodes} nodes, got N={n}; use kernels='auto' or 'xla'"
+            )
+        return False
+
+
+XLA_KERNELS = ArenaKernels()
+
+
+def _pow2(x: int, lo: int = 16, hi: int | None = None) -> bool:
+    return x >= lo and x & (x - 1) == 0 and (hi is None or x <= hi)
+
+
+def _gdn_misfits(spec: ArenaSpec, config) -> list[str]:
+    """Why the arena GDN kernels cannot take this geometry (empty: they can)."""
+    out = []
+    hv, dk, dv = spec.state_shape
+    if jnp.dtype(spec.state_dtype) != jnp.float32:
+        out.append(f"the recurrent state is {spec.state_dtype}; the GDN kernels read float32")
+    for name, x in (("linear_key_head_dim", dk), ("linear_value_head_dim", dv)):
+        if not _pow2(x, 16, 256):
+            out.append(f"{name} {x} is not a power of two in [16, 256]")
+    if jnp.dtype(spec.model_dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        out.append(f"model dtype {spec.model_dtype} is not float32, bfloat16 or float16")
+    if config is not None and hv % config.linear_num_key_heads:
+        out.append(f"linear_num_value_heads {hv} is not a multiple of the key heads")
+    return out
+
+
+def _attention_misfits(spec: ArenaSpec, config) -> list[str]:
+    """Why the arena paged tree-attention kernel cannot take this geometry."""
+    out = []
+    if jnp.dtype(spec.kv_dtype) not in (jnp.float32, jnp.bfloat16):
+        out.append(f"the KV cache is {spec.kv_dtype}; the attention kernel reads f32 or bf16")
+    for name, x in (("page_size", spec.page_size), ("head_dim", spec.head_dim)):
+        if not _pow2(x):
+            out.append(f"{name} {x} is not a power of two >= 16")
+    if config is not None and config.num_attention_heads % spec.kv_heads:
+        out.append("num_attention_heads is not a multiple of num_key_value_heads")
+    return out
+
+
+def select_kernels(
+    kernels: str, spec: ArenaSpec, config=None, backend: str | None = None
+) -> tuple[ArenaKernels, tuple[str, ...]]:
+    """Resolves ``kernels`` (``"xla"`` | ``"pallas"`` | ``"auto"``) for the arena geometry
+    ``spec`` (and the model ``config``, when given) on ``backend`` (default: JAX's).
+
+    ``"auto"``: the kernels on a GPU backend where the geometry fits them (per part: GDN,
+    attention), XLA elsewhere; ``"pallas"``: the kernels everywhere (interpret mode off GPU),
+    a ``ValueError`` naming ``kernels`` when the geometry does not fit. Returns the choice and
+    the reasons for every part left on XLA."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "xla":
+        return XLA_KERNELS, ()
+    backend = backend or jax.default_backend()
+    if kernels == "auto" and backend != "gpu":
+        note = (
+            f"kernels='auto' on the {backend} backend: the arena Pallas kernels (Triton) are "
+            "taken on GPU only"
+        )
+        return XLA_KERNELS, (note,)
+    from gdn_jax.pallas_routes import AUTO_MAX_NODES
+    from pallas_kernels import MAX_NODES
+
+    interpret = backend != "gpu"
+    if interpret:
+        # The first interpret-mode call imports the Pallas fuser, which registers a jax config
+        # option that is part of every jit cache key: import it now, before the engine
+        # compiles anything, or each program compiled earlier would compile again after it.
+        from jax.experimental.pallas import fuser  # noqa: F401
+
+    gdn_bad = _gdn_misfits(spec, config) if spec.gdn_layers else []
+    attn_bad = _attention_misfits(spec, config) if spec.attn_layers else []
+    if kernels == "pallas" and (gdn_bad or attn_bad):
+        raise ValueError(f"kernels='pallas': {'; '.join(gdn_bad + attn_bad)}")
+    notes = tuple(f"GDN verify/commit on XLA: {r}" for r in gdn_bad) + tuple(
+        f"tree attention on XLA: {r}" for r in attn_bad
+    )
+    choice = ArenaKernels(
+        gdn=spec.gdn_layers > 0 and not gdn_bad,
+        attention=spec.attn_layers > 0 and not attn_bad,
+        # The decode kernel under "auto" too: on the H200 a 30-layer Qwen3.5-35B decode step
+        # takes 0.35-0.62x the time of XLA's state windows (benchmarks/arena_read.py, B 1-64).
+        decode=spec.gdn_layers > 0 and not gdn_bad,
+        # The prefill kernel (a sequential scan over each chunk's tokens) only when asked for:
+        # on the H200 it takes 1.38-1.97x the time of the state windows + the chunked Pallas
+        # prefill at the default 64-token chunk, 0.82-0.87x at 16 (benchmarks/arena_read.py
+        # --step prefill, B 1-64), so "auto" keeps the chunked rule.
+        prefill=kernels == "pallas" and spec.gdn_layers > 0 and not gdn_bad,
+        interpret=interpret,
+        max_nodes=MAX_NODES if kernels == "pallas" else AUTO_MAX_NODES,
+        strict=kernels == "pallas",
+    )
+    return choice, notes
