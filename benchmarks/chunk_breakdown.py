@@ -45,7 +45,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import log, markdown_table, parse_blocks, write_json  # noqa: E402
-from benchmarks.kernels import chunk_inputs, timed  # noqa: E402
+from benchmarks.kernels import chunk_inputs  # noqa: E402
+from benchmarks.timing import timed  # noqa: E402
 from pallas_kernels.chunk import kernel as chunk_kernel  # noqa: E402
 
 KERNELS = ("intra", "state", "out")

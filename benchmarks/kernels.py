@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from benchmarks.common import ints, log, markdown_table, parse_blocks, rel, write_json  # noqa: E402
+from benchmarks.timing import measure_bandwidth, measure_matmul, timed  # noqa: E402
 from gdn_jax.chunk import chunk_gated_delta_rule as xla_chunk  # noqa: E402
 from gdn_jax.tree_wy import tree_commit as xla_commit  # noqa: E402
 from gdn_jax.tree_wy import tree_verify as xla_verify  # noqa: E402
@@ -72,24 +73,6 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 OPS = ("overhead", "profile", "verify", "commit", "arena", "chunk")
 
 # --------------------------------------------------------------------------------------- timing
-
-
-def timed(fn, sets, reps: int, iters: int = 30) -> float:
-    """Seconds per call of ``jax.jit(fn)``: back-to-back async calls rotating over the input
-    sets (past the L2), blocking once at the end; median over ``reps``."""
-    f = jax.jit(fn)
-    for s in sets:
-        jax.block_until_ready(f(*s))
-    iters = max(iters, len(sets))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = f(*sets[i % len(sets)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts)
 
 
 def program_time(fn, sets, reps: int, donate: bool = False) -> tuple[float, list]:
@@ -164,21 +147,6 @@ def rel_err_key(i: int) -> str:
 def n_sets(bytes_per_call: int, cap: int = 16) -> int:
     """Input sets per program: up to ``cap``, up to 2 GB in all."""
     return int(min(cap, max(1, (2 << 30) // max(bytes_per_call, 1))))
-
-
-def measure_bandwidth(reps: int, size: int = 256 << 20) -> float:
-    """HBM bytes per second of a jitted elementwise pass (read + write) over ``size`` f32."""
-    x = jax.random.normal(jax.random.key(0), (size,), F32)
-    t = timed(lambda a: a * 1.0001 + 0.5, [(x,)], reps)
-    return 2 * x.nbytes / t
-
-
-def measure_matmul(reps: int, n: int = 8192) -> float:
-    """bf16 matmul flops per second at ``n x n x n``."""
-    a = jax.random.normal(jax.random.key(1), (n, n), BF16)
-    b = jax.random.normal(jax.random.key(2), (n, n), BF16)
-    t = timed(lambda x, y: jnp.dot(x, y, preferred_element_type=BF16), [(a, b)], reps)
-    return 2 * n**3 / t
 
 
 # --------------------------------------------------------------------------------------- inputs

@@ -17,7 +17,7 @@ included).
 Floor: ``max(bytes / copy rate, flops / matmul rate)``, with ``bytes`` = the touched experts'
 weights (``3 H I`` elements each, distinct experts of the set's routing, averaged over the sets)
 + ``x`` read + ``out`` written, ``flops = 2 * M * k * 3 H I``; the copy rate is ``2 * nbytes / t``
-of ``x * 2`` over a 1 GiB array and the matmul rate a bf16 ``8192^3`` matmul, both measured at
+of an elementwise pass over 1 GiB of random f32 and the matmul rate a bf16 ``8192^3`` matmul, both measured at
 the start of the run. Error: per path, the relative error against the XLA path on set 0
 (``rel_err``: whole output; ``row_rel_err``: the worst token row).
 
@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels.moe as moe  # noqa: E402
 from benchmarks.common import ints, log, markdown_table, parse_blocks, write_json  # noqa: E402
+from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
 from gdn_jax.moe import routed_experts  # noqa: E402
 
 PATHS = ("xla", "mgpu", "small_m", "grouped")
@@ -116,32 +117,6 @@ def per_op_us(f, sets, reps: int) -> tuple[float, float]:
         return 1e6 * program_seconds(f, sets, reps) / r, 1e6 * t_1
     t_r = program_seconds(f, sets, reps)
     return 1e6 * max(t_r - t_1, 0.0) / (r - 1), 1e6 * t_1
-
-
-def copy_rate(reps: int, nbytes: int) -> float:
-    """Bytes per second of ``x * 2`` (read + write) over a bf16 array of ``nbytes``."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 2)
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / statistics.median(ts)
-
-
-def matmul_rate(reps: int, n: int) -> float:
-    """bf16 flops per second of an ``n^3`` matmul."""
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16))
-    jax.block_until_ready(f(a, a))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a, a))
-        ts.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(ts)
 
 
 # --------------------------------------------------------------------------------------- inputs
@@ -311,8 +286,8 @@ def main(argv=None) -> None:
         log("CPU backend: the Triton kernels run in interpret mode (slow); see --dry-run")
     dtype = jnp.dtype(args.dtype)
     rates = dict(
-        copy_Bps=copy_rate(args.reps, 16 << 20 if args.dry_run else 1 << 30),
-        matmul_flops=matmul_rate(args.reps, 256 if args.dry_run else 8192),
+        copy_Bps=measure_bandwidth(args.reps, 1 << 20 if args.dry_run else 256 << 20),
+        matmul_flops=measure_matmul(args.reps, 256 if args.dry_run else 8192),
     )
     tbps, tflops = rates["copy_Bps"] / 1e12, rates["matmul_flops"] / 1e12
     log(f"copy {tbps:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s")

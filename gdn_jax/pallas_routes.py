@@ -130,27 +130,33 @@ AUTO_PALLAS.update(
 # plan in XLA) up to MOE_SMALL_M.max_pairs token-expert pairs, the Triton grouped GEMM beyond.
 MOE_SMALL_M = moe_kernels.SmallMBlocks()
 MOE_GROUPED = moe_kernels.GroupedBlocks()
-# "auto" takes the MoE kernels only up to this many tokens, where they were measured faster than
-# the XLA path on the H200 (python -m benchmarks.moe); 0: never.
-AUTO_MOE_MAX_TOKENS = 0
 
 
 def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj):
     """``out [M, H]`` of the routed experts (see :func:`gdn_jax.routed_experts`): the small-M
     kernels when ``M * k <= MOE_SMALL_M.max_pairs``, else the grouped kernels."""
     args = (x, weights, experts, gate_proj, up_proj, down_proj)
-    if experts.shape[0] * experts.shape[1] <= MOE_SMALL_M.max_pairs:
+    if _moe_small(experts):
         return moe_kernels.routed_experts_small_m(*args, blocks=MOE_SMALL_M, interpret=_interpret())
     return moe_kernels.routed_experts_grouped(*args, blocks=MOE_GROUPED, interpret=_interpret())
 
 
+def _moe_small(experts) -> bool:
+    return experts.shape[0] * experts.shape[1] <= MOE_SMALL_M.max_pairs
+
+
 def _moe_auto(x, weights, experts, gate_proj, up_proj, down_proj) -> bool:
-    """``"auto"`` takes the small-M kernels for at most :data:`AUTO_MOE_MAX_TOKENS` tokens with
-    ``H`` and ``I`` multiples of 16 and float32 / bfloat16 / float16 inputs."""
-    if x.shape[0] > AUTO_MOE_MAX_TOKENS:
-        return False
+    """``"auto"`` takes the MoE kernels wherever they take the inputs (``H`` and ``I``
+    multiples of 16, float32 / bfloat16 / float16): on the H200 at Qwen3.5-35B-A3B's MoE
+    (E 256, top-8, H 2048, I 512, bf16; ``python -m benchmarks.moe``) the small-M kernels ran
+    8.1x (M 1) and 2.6x (M 16) faster than the XLA path, the grouped kernels 15x (M 464) and
+    60x (M 2048)."""
+    args = (x, weights, experts, gate_proj, up_proj, down_proj)
     try:
-        moe_kernels.check_small_m(x, weights, experts, gate_proj, up_proj, down_proj, MOE_SMALL_M)
+        if _moe_small(experts):
+            moe_kernels.check_small_m(*args, MOE_SMALL_M)
+        else:
+            moe_kernels.check_grouped(*args, MOE_GROUPED)
     except ValueError:
         return False
     return True

@@ -15,7 +15,12 @@ The Triton kernels (``small_m``, ``grouped``) take ``interpret=`` and run on CPU
 mode. Each combines a token's ``k`` weighted pair rows in one XLA reduction.
 """
 
-from pallas_kernels.moe.grouped import DEFAULT_GROUPED_BLOCKS, GroupedBlocks, routed_experts_grouped
+from pallas_kernels.moe.grouped import (
+    DEFAULT_GROUPED_BLOCKS,
+    GroupedBlocks,
+    check_grouped,
+    routed_experts_grouped,
+)
 from pallas_kernels.moe.mgpu import (
     DEFAULT_MGPU_BLOCKS,
     MgpuBlocks,
@@ -36,6 +41,7 @@ __all__ = [
     "GroupedBlocks",
     "MgpuBlocks",
     "SmallMBlocks",
+    "check_grouped",
     "check_small_m",
     "mgpu_available",
     "routed_experts_grouped",

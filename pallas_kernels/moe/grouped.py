@@ -170,6 +170,23 @@ def _down_kernel(be_ref, h_ref, d_ref, y_ref, *, where, bh, bk, prec):
         y_ref[...] = jax.lax.fori_loop(0, nk, step, jnp.zeros(y_ref.shape, F32)).astype(y_ref.dtype)
 
 
+def grouped_tiles(h: int, i: int, blocks: GroupedBlocks) -> tuple[int, int, int, int]:
+    """``(block_i, block_h, block_kh, block_ki)`` fitted to ``H`` and ``I``; ``ValueError`` when
+    ``H`` or ``I`` is not a multiple of 16."""
+    return (
+        fit_block("I", i, blocks.block_i),
+        fit_block("H", h, blocks.block_h),
+        fit_block("H", h, blocks.block_kh),
+        fit_block("I", i, blocks.block_ki),
+    )
+
+
+def check_grouped(x, weights, experts, gate, up, down, blocks: GroupedBlocks) -> None:
+    """``ValueError`` for inputs the grouped kernels cannot take."""
+    _, _, _, h, i = check_moe_inputs(x, weights, experts, gate, up, down)
+    grouped_tiles(h, i, blocks)
+
+
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def routed_experts_grouped(
     x: jax.Array,
@@ -190,8 +207,7 @@ def routed_experts_grouped(
     """
     m, k, e, h, i = check_moe_inputs(x, weights, experts, gate, up, down)
     bm = blocks.block_m
-    bi, bh = fit_block("I", i, blocks.block_i), fit_block("H", h, blocks.block_h)
-    bkh, bki = fit_block("H", h, blocks.block_kh), fit_block("I", i, blocks.block_ki)
+    bi, bh, bkh, bki = grouped_tiles(h, i, blocks)
     plan = make_plan(weights, experts, e, bm)
     nb = plan.block_expert.shape[0]
     prec = weight_precision(gate.dtype, blocks.precision, interpret)

@@ -73,3 +73,27 @@ def test_auto_commit_route_thresholds():
     assert fits(cache(64, 64, 32)) and fits(cache(16, 64, 64))
     assert not fits(cache(1, 64, 64)) and not fits(cache(16, 64, 32))
     assert not fits(cache(64, 128, 32))
+
+
+def test_auto_predicates_take_only_kernel_shapes():
+    """``"auto"`` never routes a shape the kernels reject: head dims outside [16, 256] or not
+    powers of two stay on XLA, as do MoE hidden sizes that are not multiples of 16; the MoE
+    predicate takes the small-M kernel's shapes and, above its pair limit, the grouped
+    kernel's."""
+    s = jax.ShapeDtypeStruct
+    qkv = lambda n, d: [s((1, n, 2, d), jnp.bfloat16)] * 3
+    verify = AUTO_PALLAS["tree_verify"]
+    assert verify(*qkv(64, 128)) and verify(*qkv(64, 256))
+    assert not verify(*qkv(64, 512)) and not verify(*qkv(64, 96)) and not verify(*qkv(128, 128))
+    chunk = AUTO_PALLAS["chunk_gated_delta_rule"]
+    assert chunk(*qkv(64, 128), 64) and not chunk(*qkv(64, 128), 128)
+    assert not chunk(*qkv(64, 512), 64)
+
+    def moe(m, k, h, i, e=8):
+        x, w = s((m, h), jnp.bfloat16), s((m, k), jnp.bfloat16)
+        ids = s((m, k), jnp.int32)
+        gu, d = s((e, h, i), jnp.bfloat16), s((e, i, h), jnp.bfloat16)
+        return AUTO_PALLAS["routed_experts"](x, w, ids, gu, gu, d)
+
+    assert moe(1, 8, 2048, 512) and moe(16, 8, 2048, 512) and moe(2048, 8, 2048, 512)
+    assert not moe(1, 8, 2040, 512) and not moe(2048, 8, 2048, 520)
