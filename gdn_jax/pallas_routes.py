@@ -86,16 +86,13 @@ def tree_commit(initial_state, cache: TreeCache, path, path_len):
     )
 
 
-def chunk_gated_delta_rule(
-    q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, output_final_state, chunk_size,
-    cu_seqlens,
-):  # fmt: skip
-    """``(o, final state)`` of the chunked prefill (see :func:`gdn_jax.chunk_gated_delta_rule`)."""
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, **options):
+    """``(o, final state)`` of the chunked prefill (see :func:`gdn_jax.chunk_gated_delta_rule`;
+    ``options``: ``scale``, ``use_qk_l2norm``, ``output_final_state``, ``chunk_size``,
+    ``cu_seqlens``)."""
     return pallas_kernels.chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        output_final_state=output_final_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-        blocks=CHUNK_BLOCKS, interpret=_interpret(),
-    )  # fmt: skip
+        q, k, v, g, beta, initial_state, blocks=CHUNK_BLOCKS, interpret=_interpret(), **options
+    )
 
 
 def _fits_chunk_kernel(q, k, v, chunk_size) -> bool:

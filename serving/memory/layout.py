@@ -114,8 +114,18 @@ class HybridLayout:
     draft: HybridLayout | None = None
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "attn_layers", "kv_heads", "head_dim", "gdn_layers",
-                     "k_heads", "v_heads", "key_dim", "value_dim", "spec_nodes"):
+        for name in (
+            "page_size",
+            "attn_layers",
+            "kv_heads",
+            "head_dim",
+            "gdn_layers",
+            "k_heads",
+            "v_heads",
+            "key_dim",
+            "value_dim",
+            "spec_nodes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | np.integer) or value < 1:
                 raise ValueError(f"HybridLayout.{name} must be a positive int, got {value!r}")
@@ -124,7 +134,8 @@ class HybridLayout:
         if self.v_heads % self.k_heads:
             raise ValueError(
                 f"HybridLayout.v_heads ({self.v_heads}) must be a multiple of "
-                f"k_heads ({self.k_heads}) (grouped value heads, DESIGN.md section 2)")
+                f"k_heads ({self.k_heads}) (grouped value heads, DESIGN.md section 2)"
+            )
         for name in ("kv_dtype", "conv_dtype", "state_dtype"):
             jnp.dtype(getattr(self, name))  # raises TypeError on an unknown dtype name
         if self.draft is not None and (
@@ -132,7 +143,8 @@ class HybridLayout:
         ):
             raise ValueError(
                 f"HybridLayout.draft must be a HybridLayout without a draft of its own, got "
-                f"{self.draft!r}")
+                f"{self.draft!r}"
+            )
 
     def _draft_fields(self, kind: str) -> list[tuple[str, tuple[int, ...], Any]]:
         """The draft model's ``draft_*`` field specs in a unit of ``kind`` (``kv`` and
@@ -141,8 +153,13 @@ class HybridLayout:
         if self.draft is None or kind not in ("kv", "state"):
             return []
         d = dataclasses.replace(
-            self.draft, page_size=self.page_size, spec_nodes=self.spec_nodes,
-            kv_dtype=self.kv_dtype, conv_dtype=self.conv_dtype, state_dtype=self.state_dtype)
+            self.draft,
+            page_size=self.page_size,
+            spec_nodes=self.spec_nodes,
+            kv_dtype=self.kv_dtype,
+            conv_dtype=self.conv_dtype,
+            state_dtype=self.state_dtype,
+        )
         return [("draft_" + f.name, f.shape, f.dtype) for f in d.fields(kind)]
 
     @property
@@ -162,23 +179,36 @@ class HybridLayout:
             shape = (self.attn_layers, 2, self.page_size, self.kv_heads, self.head_dim)
             return _fields([("kv", shape, jnp.dtype(self.kv_dtype)), *self._draft_fields(kind)])
         if kind in ("state", "snapshot"):
-            return _fields([
-                ("recurrent", (lg, self.v_heads, self.key_dim, self.value_dim),
-                 jnp.dtype(self.state_dtype)),
-                ("conv", (lg, self.conv_kernel - 1, self.conv_dim), jnp.dtype(self.conv_dtype)),
-                *self._draft_fields(kind),
-            ])
+            return _fields(
+                [
+                    (
+                        "recurrent",
+                        (lg, self.v_heads, self.key_dim, self.value_dim),
+                        jnp.dtype(self.state_dtype),
+                    ),
+                    ("conv", (lg, self.conv_kernel - 1, self.conv_dim), jnp.dtype(self.conv_dtype)),
+                    *self._draft_fields(kind),
+                ]
+            )
         if kind == "stash":
-            return _fields([
-                ("u", (lg, n, self.v_heads, self.value_dim), jnp.dtype(self.state_dtype)),
-                ("k", (lg, n, self.k_heads, self.key_dim), jnp.dtype(self.kv_dtype)),
-                ("g", (lg, n, self.v_heads), jnp.dtype(self.state_dtype)),
-                ("x", (lg, n, self.conv_dim), jnp.dtype(self.conv_dtype)),
-                ("dk", (self.attn_layers, n, self.kv_heads, self.head_dim),
-                 jnp.dtype(self.kv_dtype)),
-                ("dv", (self.attn_layers, n, self.kv_heads, self.head_dim),
-                 jnp.dtype(self.kv_dtype)),
-            ])
+            return _fields(
+                [
+                    ("u", (lg, n, self.v_heads, self.value_dim), jnp.dtype(self.state_dtype)),
+                    ("k", (lg, n, self.k_heads, self.key_dim), jnp.dtype(self.kv_dtype)),
+                    ("g", (lg, n, self.v_heads), jnp.dtype(self.state_dtype)),
+                    ("x", (lg, n, self.conv_dim), jnp.dtype(self.conv_dtype)),
+                    (
+                        "dk",
+                        (self.attn_layers, n, self.kv_heads, self.head_dim),
+                        jnp.dtype(self.kv_dtype),
+                    ),
+                    (
+                        "dv",
+                        (self.attn_layers, n, self.kv_heads, self.head_dim),
+                        jnp.dtype(self.kv_dtype),
+                    ),
+                ]
+            )
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
     def unit_words(self, kind: str) -> int:
@@ -222,8 +252,7 @@ def layer_types(config: Mapping[str, Any] | str | os.PathLike) -> list[str]:
         types = list(cfg["layer_types"])
     elif "full_attention_interval" in cfg:
         n, every = int(cfg["num_hidden_layers"]), int(cfg["full_attention_interval"])
-        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                 for i in range(n)]
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     else:
         raise ValueError("config needs 'layer_types' or 'full_attention_interval'")
     unknown = set(types) - {"full_attention", "linear_attention"}
@@ -232,9 +261,14 @@ def layer_types(config: Mapping[str, Any] | str | os.PathLike) -> list[str]:
     return types
 
 
-def layout_for(config: Mapping[str, Any] | str | os.PathLike, page_size: int = 16, *,
-               num_layers: int | None = None, spec_nodes: int = 16,
-               kv_dtype: str = "bfloat16") -> HybridLayout:
+def layout_for(
+    config: Mapping[str, Any] | str | os.PathLike,
+    page_size: int = 16,
+    *,
+    num_layers: int | None = None,
+    spec_nodes: int = 16,
+    kv_dtype: str = "bfloat16",
+) -> HybridLayout:
     """Build the layout of an HF-style hybrid config (Qwen3-Next, Qwen3.5; ``text_config`` ok).
 
     Args:

@@ -38,7 +38,11 @@ def recurrent64(q, k, v, g, beta, s0=None, *, scale=None, use_qk_l2norm=False):
         for h in range(hv):
             for ti in range(t):
                 s[bi, h], o[bi, ti, h] = step64(
-                    s[bi, h], q[bi, ti, h // grp], k[bi, ti, h // grp], v[bi, ti, h], g[bi, ti, h],
+                    s[bi, h],
+                    q[bi, ti, h // grp],
+                    k[bi, ti, h // grp],
+                    v[bi, ti, h],
+                    g[bi, ti, h],
                     beta[bi, ti, h],
                 )
     return o, s
@@ -73,7 +77,14 @@ def tree64(q, k, v, g, beta, parents, s0, *, scale=None, use_qk_l2norm=False):
             for h in range(hv):
                 s = np.array(s0[bi, h], np.float64)
                 for i in path:
-                    s, out = step64(s, q[bi, i, h // grp], k[bi, i, h // grp], v[bi, i, h], g[bi, i, h], beta[bi, i, h])
+                    s, out = step64(
+                        s,
+                        q[bi, i, h // grp],
+                        k[bi, i, h // grp],
+                        v[bi, i, h],
+                        g[bi, i, h],
+                        beta[bi, i, h],
+                    )
                 if path:
                     o[bi, node, h], states[bi, node, h] = out, s
     return o, states

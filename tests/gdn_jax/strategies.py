@@ -52,7 +52,14 @@ def make_inputs(rng, b, t, hk, hv, dk, dv, *, decay="mild", dtype=np.float32):
     beta = rng.uniform(0.05, 1.0, size=(b, t, hv))
     s0 = rng.normal(size=(b, hv, dk, dv))
     cast = lambda x: x.astype(dtype)
-    return cast(q), cast(k), cast(v), g.astype(np.float32), beta.astype(np.float32), s0.astype(np.float32)
+    return (
+        cast(q),
+        cast(k),
+        cast(v),
+        g.astype(np.float32),
+        beta.astype(np.float32),
+        s0.astype(np.float32),
+    )
 
 
 # A fixed menu keeps compiled programs few (CPU CI) while covering Hk | Hv with groups of 1..3

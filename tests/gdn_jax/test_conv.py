@@ -34,7 +34,9 @@ def test_prefill_and_steps_match_float64(width):
     s = state
     for t in range(x.shape[1]):
         yt, s = causal_conv1d_update(x[:, t], s, w)
-        np.testing.assert_allclose(yt, causal_conv64(x[:, : t + 1], w, state)[:, -1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            yt, causal_conv64(x[:, : t + 1], w, state)[:, -1], rtol=1e-5, atol=1e-5
+        )
     chex.assert_shape(s, state.shape)
 
 

@@ -29,7 +29,9 @@ def test_chunk_and_recurrent_match_transformers(case, tmp_path):
     q, k, v, g, beta, s0 = make_inputs(rng, b, t, hk, hv, dk, dv, decay="mixed")
     if not l2:  # keep the raw recurrence well conditioned without the norm
         q = q / np.sqrt(dk)
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm=np.array(l2), chunk_size=np.array(chunk))
+    inputs = dict(
+        q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm=np.array(l2), chunk_size=np.array(chunk)
+    )
     if with_state:
         inputs["state"] = s0
     state = s0 if with_state else None

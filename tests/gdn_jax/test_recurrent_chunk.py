@@ -28,7 +28,9 @@ from tests.gdn_jax.strategies import head_shapes, make_inputs
 )
 def test_recurrent_and_chunk_match_float64(t, shapes, decay, dtype, l2, with_state, chunk, seed):
     hk, hv, dk, dv = shapes
-    q, k, v, g, beta, s0 = make_inputs(np.random.default_rng(seed), 2, t, hk, hv, dk, dv, decay=decay, dtype=dtype)
+    q, k, v, g, beta, s0 = make_inputs(
+        np.random.default_rng(seed), 2, t, hk, hv, dk, dv, decay=decay, dtype=dtype
+    )
     s0 = s0 if with_state else None
     o64, s64 = recurrent64(q, k, v, g, beta, s0, use_qk_l2norm=l2)
     tol = 2e-4 if dtype == np.float32 else 1e-2
@@ -57,14 +59,24 @@ def test_cu_seqlens_equals_separate_sequences(lens, chunk, seed):
     rng = np.random.default_rng(seed)
     q, k, v, g, beta, _ = make_inputs(rng, 1, t, 1, 2, 4, 6, decay="mixed")
     h0 = rng.normal(size=(n_seq, 2, 4, 6)).astype(np.float32)
-    o, s = chunk_gated_delta_rule(q, k, v, g, beta, h0, cu_seqlens=cu, chunk_size=chunk, use_qk_l2norm=True)
+    o, s = chunk_gated_delta_rule(
+        q, k, v, g, beta, h0, cu_seqlens=cu, chunk_size=chunk, use_qk_l2norm=True
+    )
     chex.assert_shape(s, (n_seq, 2, 4, 6))
     for i in range(n_seq):
         a, b = cu[i], cu[i + 1]
         if a == b:
             np.testing.assert_array_equal(s[i], h0[i])
             continue
-        o64, s64 = recurrent64(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], h0[i : i + 1], use_qk_l2norm=True)
+        o64, s64 = recurrent64(
+            q[:, a:b],
+            k[:, a:b],
+            v[:, a:b],
+            g[:, a:b],
+            beta[:, a:b],
+            h0[i : i + 1],
+            use_qk_l2norm=True,
+        )
         assert rel_err(o[:, a:b], o64) < 2e-4
         assert rel_err(s[i], s64[0]) < 2e-4
 
@@ -111,9 +123,13 @@ def test_errors():
     with pytest.raises(ValueError, match="end at T=8"):
         chunk_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=np.array([0, 5]))
     with pytest.raises(ValueError, match="non-decreasing"):
-        chunk_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=np.array([0, 6, 5, 8]))
+        chunk_gated_delta_rule(
+            q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=np.array([0, 6, 5, 8])
+        )
     with pytest.raises(ValueError, match=r"^initial_state: .* = \(2, 4, 4, 4\)"):
-        chunk_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], s0[:1], cu_seqlens=np.array([0, 5, 8]))
+        chunk_gated_delta_rule(
+            q[:1], k[:1], v[:1], g[:1], beta[:1], s0[:1], cu_seqlens=np.array([0, 5, 8])
+        )
     with pytest.raises(ValueError, match="impl"):
         chunk_gated_delta_rule(q, k, v, g, beta, impl="triton")
     with pytest.raises(ValueError, match="no Pallas kernel|impl"):

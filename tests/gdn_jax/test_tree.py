@@ -86,10 +86,14 @@ def test_masks_agree_with_paths_and_device_closure(tree):
         np.testing.assert_array_equal(mask[n], want)
         if tree[n] != -2:
             assert t.depth[n] == len(path) - 1
-    np.testing.assert_array_equal(t.ancestor_mask(inclusive=False), mask & ~np.eye(len(tree), dtype=bool))
+    np.testing.assert_array_equal(
+        t.ancestor_mask(inclusive=False), mask & ~np.eye(len(tree), dtype=bool)
+    )
     dev = np.asarray(ancestor_closure(jnp.asarray(tree)[None]))[0]
     np.testing.assert_array_equal(dev, mask)
     if len(tree) <= 64:
         bits = t.bitmask().view(np.uint64)
         for n in range(len(tree)):
-            assert [i for i in range(len(tree)) if (int(bits[n]) >> i) & 1] == list(np.nonzero(mask[n])[0])
+            assert [i for i in range(len(tree)) if (int(bits[n]) >> i) & 1] == list(
+                np.nonzero(mask[n])[0]
+            )

@@ -33,7 +33,10 @@ def run_hf(script: str, job: str, inputs: dict, tmp_path: Path, *extra: str) -> 
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # never reach for hub kernels
     proc = subprocess.run(
         [hf_python(), str(HERE / script), job, str(src), str(dst), *extra],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)

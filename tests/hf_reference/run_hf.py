@@ -24,13 +24,26 @@ def gdn(job: str, a: dict) -> dict:
     l2 = bool(a["use_qk_l2norm"])
     if job == "chunk":
         o, s = hf.torch_chunk_gated_delta_rule(
-            t["q"], t["k"], t["v"], t["g"], t["beta"], chunk_size=int(a["chunk_size"]),
-            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2,
+            t["q"],
+            t["k"],
+            t["v"],
+            t["g"],
+            t["beta"],
+            chunk_size=int(a["chunk_size"]),
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=l2,
         )
     else:
         o, s = hf.torch_recurrent_gated_delta_rule(
-            t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=state,
-            output_final_state=True, use_qk_l2norm_in_kernel=l2,
+            t["q"],
+            t["k"],
+            t["v"],
+            t["g"],
+            t["beta"],
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=l2,
         )
     return {"o": o.float().numpy(), "state": s.float().numpy()}
 

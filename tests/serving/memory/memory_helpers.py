@@ -10,15 +10,34 @@ from serving.memory import HybridLayout, MemoryManager
 
 # kv page 128 B, state slot 672 B, stash 816 B: a 1632 B segment holds 12 pages, 2 slots or
 # 2 stashes, so a 6-segment arena migrates and compacts within a few steps.
-TINY = HybridLayout(page_size=4, attn_layers=1, kv_heads=1, head_dim=8, gdn_layers=3,
-                    k_heads=1, v_heads=2, key_dim=4, value_dim=4, spec_nodes=3)
+TINY = HybridLayout(
+    page_size=4,
+    attn_layers=1,
+    kv_heads=1,
+    head_dim=8,
+    gdn_layers=3,
+    k_heads=1,
+    v_heads=2,
+    key_dim=4,
+    value_dim=4,
+    spec_nodes=3,
+)
 TINY_SEGMENTS = 6
 # With a draft model's fields in its KV pages and state slots (so snapshots get a fourth pool).
 TINY_DRAFT = dataclasses.replace(
     TINY,
-    draft=HybridLayout(page_size=4, attn_layers=1, kv_heads=1, head_dim=4, gdn_layers=1,
-                       k_heads=1, v_heads=1, key_dim=4, value_dim=4),
-)  # fmt: skip
+    draft=HybridLayout(
+        page_size=4,
+        attn_layers=1,
+        kv_heads=1,
+        head_dim=4,
+        gdn_layers=1,
+        k_heads=1,
+        v_heads=1,
+        key_dim=4,
+        value_dim=4,
+    ),
+)
 
 
 def tiny_manager(
@@ -34,8 +53,9 @@ def tiny_manager(
 def random_field(field, rng: np.random.Generator) -> np.ndarray:
     """Random bit patterns (NaNs and infs included) of a field's shape and dtype."""
     n = int(np.prod(field.shape))
-    bits = rng.integers(0, 1 << (8 * field.dtype.itemsize), n,
-                        dtype=np.dtype(f"u{field.dtype.itemsize}"))
+    bits = rng.integers(
+        0, 1 << (8 * field.dtype.itemsize), n, dtype=np.dtype(f"u{field.dtype.itemsize}")
+    )
     return bits.view(field.dtype).reshape(field.shape)
 
 

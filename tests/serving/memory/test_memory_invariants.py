@@ -38,8 +38,12 @@ KINDS = st.sampled_from(["kv", "kv", "state", "snapshot", "stash"])
 def snapshot(mm) -> tuple:
     """Everything a rejected call must leave unchanged."""
     stats = mm.stats()
-    return (sorted(mm.live(), key=repr), repr(stats), mm._table.tobytes(),
-            [sorted(u) for u in mm.unowned])
+    return (
+        sorted(mm.live(), key=repr),
+        repr(stats),
+        mm._table.tobytes(),
+        [sorted(u) for u in mm.unowned],
+    )
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -179,10 +183,16 @@ class ManagerMachine(RuleBasedStateMachine):
         assert all(e <= seg_words for _, _, e in spans)
         st_ = mm.stats()
         assert st_["free_bytes"] + st_["used_bytes"] == st_["arena_bytes"]
-        counts = {k: sum(1 for v in self.model.values() if v[0] == k)
-                  for k in ("kv", "state", "snapshot", "stash")}
-        assert (st_["kv_pages"], st_["state_slots"], st_["snapshot_slots"],
-                st_["stash_units"]) == tuple(counts.values())
+        counts = {
+            k: sum(1 for v in self.model.values() if v[0] == k)
+            for k in ("kv", "state", "snapshot", "stash")
+        }
+        assert (
+            st_["kv_pages"],
+            st_["state_slots"],
+            st_["snapshot_slots"],
+            st_["stash_units"],
+        ) == tuple(counts.values())
         assert {h for h, *_ in mm.live()} == set(self.model)
 
     @invariant()
@@ -191,7 +201,7 @@ class ManagerMachine(RuleBasedStateMachine):
             raw = np.asarray(self.mm.read_raw(kind, h))
             for f in self.mm.fields(kind):
                 want = field_words([f], values)[f.name]
-                got = raw[f.word_offset: f.word_offset + f.words]
+                got = raw[f.word_offset : f.word_offset + f.words]
                 np.testing.assert_array_equal(got, want, err_msg=f"handle {h} field {f.name}")
 
     @invariant()
@@ -201,8 +211,12 @@ class ManagerMachine(RuleBasedStateMachine):
             assert tuple(table[h]) == (seg, word)
 
 
-SETTINGS = settings(max_examples=25, stateful_step_count=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=25,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def _machine(policy, layout=TINY, **args):
