@@ -12,7 +12,7 @@ states back; the storage is donated so every write is in place. Three storages:
   by slot: per-layer pools indexed by a slot table);
 - ``arena``: the engine's arena path: a real ``MemoryManager`` arena (``uint32``) with each
   row's ``state`` handle translated through the device table, every layer's state read as a
-  word window and bitcast (``serving.memory.model_cache.ArenaCache.gdn_state`` /
+  word window and bitcast (``serving.arena_cache.ArenaCache.gdn_state`` /
   ``with_gdn_state``, the code the engine runs);
 - ``arena_kernel``: the same arena, the recurrent state read and written in place by the
   Pallas decode kernel (``ArenaCache.gdn_step_rule``, i.e. ``LLM(kernels="pallas")``; interpret

@@ -1,5 +1,5 @@
 """Gated DeltaNet in JAX: the gated delta rule (recurrent, chunked), tree WY speculative
-verification and commit, short convolutions on sequences and trees (DESIGN.md section 4)."""
+verification and commit, short convolutions on sequences and trees (docs/design.md)."""
 
 from gdn_jax.chunk import chunk_gated_delta_rule
 from gdn_jax.conv import causal_conv1d, causal_conv1d_update, tree_causal_conv1d, tree_conv_commit

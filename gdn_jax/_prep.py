@@ -1,6 +1,6 @@
 """Shared input handling for the gated delta rule ops: shape checks, q/k normalisation, grouping.
 
-Shape letters follow DESIGN.md section 2: ``q, k: [B, T, Hk, K]``, ``v: [B, T, Hv, V]``,
+Shape letters follow docs/design.md: ``q, k: [B, T, Hk, K]``, ``v: [B, T, Hv, V]``,
 ``g, beta: [B, T, Hv]``, state ``S: [B, Hv, K, V]``. Value head ``h`` reads key head
 ``h // (Hv // Hk)``; the ops reshape value-head axes to ``(Hk, Hv // Hk)`` so that a key head is
 broadcast over its group instead of being repeated in memory.

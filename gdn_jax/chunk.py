@@ -1,7 +1,7 @@
 """The gated delta rule in chunked WY form (prefill), with packed variable-length batches.
 
 Within a chunk of ``C`` tokens with in-chunk cumulative log decay ``Gc`` and entering state ``S``
-(DESIGN.md section 3 for a chain tree)::
+(docs/design.md for a chain tree)::
 
     A[i, j] = beta_i exp(Gc_i - Gc_j) (k_i . k_j)            j < i
     (I + A) U = diag(beta) (V - diag(exp(Gc)) K S)            one unit-lower-triangular solve
@@ -37,7 +37,7 @@ def masked_decay(gi: jax.Array, gj: jax.Array, mask: jax.Array) -> jax.Array:
     """``where(mask, exp(gi - gj), 0)`` with the difference masked before ``exp``.
 
     Masking first keeps entries outside ``mask`` (where ``gi - gj`` may be large and positive)
-    from becoming ``inf`` and then ``inf * 0 = NaN`` (DESIGN.md section 3, numerics).
+    from becoming ``inf`` and then ``inf * 0 = NaN`` (docs/design.md, numerics).
     """
     diff = jnp.where(mask, gi - gj, 0.0)
     return jnp.where(mask, jnp.exp(diff), 0.0)

@@ -7,7 +7,7 @@
 
 with inputs before the sequence taken from ``conv_state`` (zeros when none). On a tree, the window
 of node ``n`` is ``n`` and its ``W-1`` nearest ancestors, continuing into ``conv_state`` above the
-root (DESIGN.md section 3).
+root (docs/design.md).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def snapshot_tree_verify(
 ) -> tuple[Float[Array, "B N Hv V"], Float[Array, "B N Hv K V"]]:
     """Per-node outputs and per-node states, one node at a time in topological order.
 
-    ``S_n = step(S_parent(n), x_n)`` with the recurrence of DESIGN.md section 2; ``o_n = S_n^T q_n``.
+    ``S_n = step(S_parent(n), x_n)`` with the recurrence of docs/design.md; ``o_n = S_n^T q_n``.
     Returns ``(o [B, N, Hv, V] in v's dtype, snapshots f32 [B, N, Hv, K, V])``.
     """
     q, k, v, g, beta, parents, initial_state = as_arrays(q, k, v, g, beta, parents, initial_state)

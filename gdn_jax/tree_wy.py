@@ -1,4 +1,4 @@
-"""Tree WY verification and commit of a draft tree through one GDN layer (DESIGN.md section 3).
+"""Tree WY verification and commit of a draft tree through one GDN layer (docs/design.md).
 
 For a tree with inclusive ancestor mask ``P`` (``P[n, i] = 1`` iff ``i`` on ``path(n)``),
 per value head (key head ``h // (Hv // Hk)``)::

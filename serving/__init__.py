@@ -1,4 +1,4 @@
-"""Serving side: memory manager, speculative decoding, engine (see DESIGN.md section 5).
+"""Serving side: memory manager, speculative decoding, engine (see docs/design.md).
 
 ``LLM(model, memory_budget=..., memory_policy="avmp", speculative=SpecConfig(...))`` and
 ``llm.generate(prompt_token_ids, SamplingParams(...))``."""

@@ -22,28 +22,11 @@ def hf_config(cfg: ModelConfig, **extra) -> dict:
     """The ``config.json`` dict of a dense ``qwen3_5_text`` config."""
     if cfg.model_type != "qwen3_5_text" or cfg.num_experts:
         raise ValueError(f"cfg: only dense qwen3_5_text is written, got {cfg.model_type!r}")
+    conf = cfg.to_hf_dict()
     return dict(
-        model_type="qwen3_5_text",
+        model_type=conf.pop("model_type"),
         architectures=["Qwen3_5ForCausalLM"],
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        layer_types=list(cfg.layer_types),
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        attn_output_gate=cfg.attn_output_gate,
-        rope_theta=cfg.rope_theta,
-        partial_rotary_factor=cfg.partial_rotary_factor,
-        linear_num_key_heads=cfg.linear_num_key_heads,
-        linear_num_value_heads=cfg.linear_num_value_heads,
-        linear_key_head_dim=cfg.linear_key_head_dim,
-        linear_value_head_dim=cfg.linear_value_head_dim,
-        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
-        intermediate_size=cfg.intermediate_size,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        mtp_num_hidden_layers=cfg.mtp_num_hidden_layers,
+        **conf,
         hidden_act="silu",
         torch_dtype="bfloat16",
         **extra,

@@ -58,22 +58,6 @@ def load_model(model: Any, dtype=jnp.bfloat16, seed: int = 0) -> HybridLM:
     )
 
 
-def hf_layout_dict(cfg: ModelConfig) -> dict:
-    """The keys :func:`serving.memory.layout_for` reads, from a :class:`ModelConfig`."""
-    return dict(
-        layer_types=list(cfg.layer_types),
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        linear_num_key_heads=cfg.linear_num_key_heads,
-        linear_num_value_heads=cfg.linear_num_value_heads,
-        linear_key_head_dim=cfg.linear_key_head_dim,
-        linear_value_head_dim=cfg.linear_value_head_dim,
-        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
-    )
-
-
 class LLM:
     """A serving engine over one hybrid model.
 
@@ -166,7 +150,7 @@ class LLM:
                     f"draft_model: vocab_size {draft.config.vocab_size} != target's "
                     f"{self.config.vocab_size}"
                 )
-        layout = layout_for(hf_layout_dict(self.config), page_size, spec_nodes=n, kv_dtype=dtype)
+        layout = layout_for(self.config.to_hf_dict(), page_size, spec_nodes=n, kv_dtype=dtype)
         layout = dataclasses.replace(layout, conv_dtype=dtype)  # the model's conv state dtype
         # the draft's cache shares the target's units: draft_* fields in each kv page and state
         # slot (the same tokens), so it lives in the arena and under the budget too. (A draft
@@ -179,7 +163,7 @@ class LLM:
         )
         if draft_in_arena:
             layout = dataclasses.replace(
-                layout, draft=layout_for(hf_layout_dict(draft.config), page_size, spec_nodes=1)
+                layout, draft=layout_for(draft.config.to_hf_dict(), page_size, spec_nodes=1)
             )
         spec_kind = None
         if speculative is not None:

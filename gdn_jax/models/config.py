@@ -205,6 +205,48 @@ class ModelConfig:
             weight_prefix=prefix,
         )
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``config.json`` keys of this text config, such that
+        ``ModelConfig.from_hf_dict(cfg.to_hf_dict())`` gives ``cfg`` back (with the text model's
+        ``weight_prefix``, ``"model."``); the MoE keys are left out for a dense model of a type
+        whose default is dense."""
+        d = dict(
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            layer_types=list(self.layer_types),
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            attn_output_gate=self.attn_output_gate,
+            rope_theta=self.rope_theta,
+            partial_rotary_factor=self.partial_rotary_factor,
+            linear_num_key_heads=self.linear_num_key_heads,
+            linear_num_value_heads=self.linear_num_value_heads,
+            linear_key_head_dim=self.linear_key_head_dim,
+            linear_value_head_dim=self.linear_value_head_dim,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+        )
+        if self.intermediate_size is not None:
+            d["intermediate_size"] = self.intermediate_size
+        if self.num_experts or _DEFAULTS[self.model_type]["num_experts"]:
+            d.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        d.update(
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            mtp_num_hidden_layers=self.mtp_num_hidden_layers,
+        )
+        return d
+
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         """Reads ``config.json`` (a file, or a directory holding one)."""

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet token mixer of Qwen3-Next / Qwen3.5 (DESIGN.md section 2).
+"""The Gated DeltaNet token mixer of Qwen3-Next / Qwen3.5 (docs/design.md).
 
 Per token: ``[q | k | v] = conv(in_proj_qkv(x))`` (depthwise causal conv, SiLU),
 ``z = in_proj_z(x)``, ``beta = sigmoid(in_proj_b(x))``,

@@ -6,7 +6,7 @@
 - :func:`verify_tree`: a draft tree of ``N`` nodes per row through every layer, leaving the
   cache untouched: GDN by ``tree_verify``, conv by ``tree_causal_conv1d``, attention by a tree
   mask over the committed paged KV plus the draft K/V of each node's path, node ``n`` at
-  position ``L + depth(n)`` (DESIGN.md section 3);
+  position ``L + depth(n)`` (docs/design.md);
 - :func:`commit`: the accepted chain ``path[:path_len]``: GDN by ``tree_commit``, conv by
   ``tree_conv_commit``, the accepted nodes' K/V written at ``L .. L+m-1``, ``L += m``.
 

@@ -1,4 +1,4 @@
-"""Asymmetric paged memory for hybrid GDN/attention caches (DESIGN.md section 6).
+"""Asymmetric paged memory for hybrid GDN/attention caches (docs/design.md).
 
 One device arena, cut into segments owned by a KV-page pool, a state-slot pool and a
 speculative-stash pool, each at its natural unit size, behind one space of stable virtual

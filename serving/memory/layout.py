@@ -1,7 +1,7 @@
 """What one KV page, one state slot and one speculative-scratch unit hold, in bytes and shapes.
 
 A hybrid model has ``La`` full-attention layers and ``Lg`` Gated DeltaNet layers
-(DESIGN.md section 1). The manager stores four kinds of unit, each at its natural size:
+(docs/design.md). The manager stores four kinds of unit, each at its natural size:
 
 ==========  ===========  =============================================================
 kind        pool         fields (shape, dtype)
@@ -12,7 +12,7 @@ snapshot    state [1]    same as state: one per-draft-node state (the vLLM/SGLan
 stash       stash        u: [Lg, N, Hv, V] f32; k: [Lg, N, Hk, K] kv_dtype; g: [Lg, N, Hv] f32;
                          x: [Lg, N, conv_dim] bf16; dk, dv: [La, N, Hkv, D] kv_dtype
                          (tree-WY stash of N = spec_nodes nodes: u, k, g what tree_commit
-                         reads, DESIGN.md section 3; x the nodes' pre-conv inputs for the
+                         reads, docs/design.md; x the nodes' pre-conv inputs for the
                          conv commit; dk, dv the attention layers' draft K/V)
 ==========  ===========  =============================================================
 
@@ -21,7 +21,7 @@ stash       stash        u: [Lg, N, Hv, V] f32; k: [Lg, N, Hk, K] kv_dtype; g: [
 The serving engine's arena runner keeps a request's whole speculative scratch (the
 ``TreeState`` that ``verify_tree`` returns and ``commit`` consumes) in these units: verify
 writes it into the request's ``stash`` unit, commit reads it back
-(:mod:`serving.memory.model_cache`). The snapshot method's ``N`` ``snapshot`` units hold, per
+(:mod:`serving.arena_cache`). The snapshot method's ``N`` ``snapshot`` units hold, per
 node, that node's recurrent states (``recurrent``) and, packed at the start of ``conv``'s words,
 its pre-conv inputs ``[Lg, conv_dim]`` then its draft K and V ``[La, Hkv, D]`` each
 (``ArenaSpec.snapshot_packing`` checks they fit: ``2 La Hkv D`` kv elements within
@@ -134,7 +134,7 @@ class HybridLayout:
         if self.v_heads % self.k_heads:
             raise ValueError(
                 f"HybridLayout.v_heads ({self.v_heads}) must be a multiple of "
-                f"k_heads ({self.k_heads}) (grouped value heads, DESIGN.md section 2)"
+                f"k_heads ({self.k_heads}) (grouped value heads, docs/design.md)"
             )
         for name in ("kv_dtype", "conv_dtype", "state_dtype"):
             jnp.dtype(getattr(self, name))  # raises TypeError on an unknown dtype name

@@ -1,4 +1,4 @@
-"""The memory manager: virtual handles over one device arena (DESIGN.md section 6).
+"""The memory manager: virtual handles over one device arena (docs/design.md).
 
 :class:`MemoryManager` is the public face of the package. It sizes the arena and its segments,
 checks every argument, and composes four pieces, each with one job:

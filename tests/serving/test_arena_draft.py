@@ -81,18 +81,7 @@ def test_draft_fields_share_the_target_units(target, draft):
 
 
 def test_layout_validation():
-    cfg = dict(
-        num_hidden_layers=4,
-        full_attention_interval=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        hidden_size=32,
-        num_attention_heads=2,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    )
+    cfg = tiny_config().to_hf_dict()
     lay = layout_for(cfg, 8)
     with pytest.raises(ValueError, match="draft"):
         ArenaSpec.from_layout(lay, jnp.float32, draft=True)

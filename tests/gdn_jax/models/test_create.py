@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -9,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gdn_jax.models import ModelConfig, abstract_model, init_random, param_count
 from gdn_jax.models.config import FULL, LINEAR
@@ -55,3 +59,30 @@ def test_init_random_tiny():
     logits = jax.jit(lambda ids: model(ids))(jnp.arange(10)[None] % 64)
     assert logits.shape == (1, 10, 64)
     assert np.isfinite(np.asarray(logits, np.float32)).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    base=st.sampled_from(["qwen3_5_35b_a3b", "qwen3_5_397b_a17b", "qwen3_next_80b_a3b"]),
+    dense=st.booleans(),
+    layers=st.integers(1, 12),
+    interval=st.integers(1, 4),
+    tie=st.booleans(),
+    mtp=st.integers(0, 2),
+)
+def test_to_hf_dict_round_trips(base, dense, layers, interval, tie, mtp):
+    """``from_hf_dict(cfg.to_hf_dict()) == cfg`` for dense and MoE variants of the real configs
+    (so the checkpoint writer and the memory layout read every field back)."""
+    cfg = ModelConfig.from_json(CONFIGS / f"{base}.json")
+    types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers))
+    cfg = dataclasses.replace(
+        cfg,
+        num_hidden_layers=layers,
+        layer_types=types,
+        tie_word_embeddings=tie,
+        mtp_num_hidden_layers=mtp,
+        **(dict(num_experts=0, num_experts_per_tok=0, intermediate_size=512) if dense else {}),
+    )
+    hf = cfg.to_hf_dict()
+    assert json.loads(json.dumps(hf)) == hf  # plain JSON values
+    assert ModelConfig.from_hf_dict(hf) == dataclasses.replace(cfg, weight_prefix="model.")

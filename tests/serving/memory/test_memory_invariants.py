@@ -1,4 +1,4 @@
-"""Stateful property tests of the manager's invariants (DESIGN.md section 6), every policy.
+"""Stateful property tests of the manager's invariants (docs/design.md), every policy.
 
 After every step: no two live handles overlap; every byte written reads back bit for bit,
 whatever migrations and compactions happened; free + used == arena; the host and device

@@ -1,4 +1,4 @@
-"""Layout sizes from HF-style configs (DESIGN.md section 6)."""
+"""Layout sizes from HF-style configs (docs/design.md)."""
 
 from __future__ import annotations
 
