@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
+from gdn_jax.models.moe import set_routed_impl
 from serving.engine import Engine, buckets_for, make_drafter
 from serving.kernels import KERNEL_CHOICES
 from serving.memory import MemoryManager, layout_for
@@ -88,7 +89,9 @@ class LLM:
         commit, the GDN decode step and paged attention; XLA on other backends),
         ``"pallas"`` (the same kernels everywhere, plus prefill's GDN states in place;
         interpret mode off GPU) or ``"xla"``;
-        see :class:`serving.runner.ArenaRunner`.
+        see :class:`serving.runner.ArenaRunner`. MoE layers take the routed-experts kernels
+        under ``"auto"`` / ``"pallas"`` (:func:`gdn_jax.routed_experts` with ``impl="auto"``)
+        and ``lax.ragged_dot`` under ``"xla"``.
     """
 
     def __init__(
@@ -137,6 +140,8 @@ class LLM:
             )
         jdtype = jnp.dtype(dtype)
         self.model = load_model(model, jdtype, seed)
+        # MoE layers follow the kernel choice: "xla" keeps them on lax.ragged_dot too
+        set_routed_impl(self.model, "xla" if kernels == "xla" else "auto")
         self.config = self.model.config
         self.speculative = speculative
         self.tokenizer = _tokenizer_for(model)
@@ -145,6 +150,7 @@ class LLM:
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = load_model(speculative.draft_model, jdtype, seed + 1)
+            set_routed_impl(draft, "xla" if kernels == "xla" else "auto")
             if draft.config.vocab_size != self.config.vocab_size:
                 raise ValueError(
                     f"draft_model: vocab_size {draft.config.vocab_size} != target's "

@@ -1,6 +1,6 @@
 """The routed-experts op ``gdn_jax.routed_experts``: both paths against a float64 per-pair
 reference over random, skewed, empty-expert, one-token, duplicate-id and tied-weight routings;
-the XLA path bit for bit against the ``SparseMoE.routed`` code it replaced; input validation.
+``SparseMoE`` through the op; input validation.
 The Pallas path runs in interpret mode on CPU."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_jax import routed_experts
-from gdn_jax.models.moe import SparseMoE
+from gdn_jax.models.moe import SparseMoE, set_routed_impl
 
 E, H, I, K = 6, 16, 32, 3  # experts, hidden, intermediate, experts per token
 ROUTINGS = ("random", "skewed", "all_one", "empty", "ties", "duplicates")
@@ -39,23 +39,6 @@ def routed64(x, weights, experts, gate, up, down) -> np.ndarray:
             g, u = x[m] @ gate[e], x[m] @ up[e]
             out[m] += weights[m, j] * ((g / (1.0 + np.exp(-g)) * u) @ down[e])
     return out
-
-
-def legacy_routed(x, weights, experts, gw, uw, dw):
-    """The ``SparseMoE.routed`` body the op's XLA path was moved from (kept to check that the
-    model's numerics did not change)."""
-    m, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=gw.shape[0]).astype(jnp.int32)
-    prec = jax.lax.Precision.HIGHEST if gw.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-    xs = x[token].astype(gw.dtype)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gw, sizes, precision=prec))
-    h = h * jax.lax.ragged_dot(xs, uw, sizes, precision=prec)
-    y = jax.lax.ragged_dot(h, dw, sizes, precision=prec)
-    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-    return jnp.zeros((m, x.shape[-1]), y.dtype).at[token].add(y)
 
 
 # --------------------------------------------------------------------------------- inputs
@@ -175,34 +158,33 @@ def tiny_moe(dtype, seed=0) -> SparseMoE:
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_sparse_moe_bit_identical_to_previous_code(dtype):
-    """``SparseMoE.routed`` (the op's XLA path) returns the same bits as the code it replaced,
-    jitted and eager, and ``SparseMoE.__call__`` likewise."""
+def test_sparse_moe_call_is_routed_plus_gated_shared(dtype):
+    """``SparseMoE.__call__`` = the routed experts (``routed_experts`` on the router's top-k)
+    plus the sigmoid-gated shared expert, bit for bit, jitted; output in the input's dtype."""
     moe = tiny_moe(dtype)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 7, H)), dtype)
-    x2 = x.reshape(-1, H)
-    weights, experts = moe.route(x2)
     params = (moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
-    new = nnx.jit(lambda m, *a: m.routed(*a))(moe, x2, weights, experts)
-    old = jax.jit(legacy_routed)(x2, weights, experts, *params)
-    np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(old, np.float32))
-    np.testing.assert_array_equal(
-        np.asarray(moe.routed(x2, weights, experts), np.float32),
-        np.asarray(legacy_routed(x2, weights, experts, *params), np.float32),
-    )
 
-    def old_call(m, x):
-        w, e = m.route(x.reshape(-1, H))
-        out = legacy_routed(x.reshape(-1, H), w, e, *params)
+    def parts(m, x):
         xs = x.reshape(-1, H)
+        w, e = m.route(xs)
+        out = routed_experts(xs, w, e, *params, impl="xla")
         shared = jax.nn.sigmoid(m.shared_expert_gate(xs)) * m.shared_expert(xs)
         return (out + shared).astype(x.dtype).reshape(x.shape)
 
     got = nnx.jit(lambda m, x: m(x))(moe, x)
-    np.testing.assert_array_equal(
-        np.asarray(got, np.float32), np.asarray(nnx.jit(old_call)(moe, x), np.float32)
-    )
+    want = nnx.jit(parts)(moe, x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     chex.assert_type(got, dtype)
+
+
+def test_set_routed_impl():
+    """``set_routed_impl`` reaches every MoE block of a model; bad names raise."""
+    blocks = nnx.List([tiny_moe(jnp.float32, seed=i) for i in range(2)])
+    set_routed_impl(blocks, "xla")
+    assert [b.impl for b in blocks] == ["xla", "xla"]
+    with pytest.raises(ValueError, match="impl"):
+        set_routed_impl(blocks, "triton")
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
