@@ -23,6 +23,8 @@
 #   chunk               kernels: chunked prefill against fla and the floor at four shapes
 #   ncu_verify          kernels: Nsight Compute on the verify kernel, cut after the loads and whole
 #   chunk_breakdown     chunk_breakdown: the chunked prefill kernel by kernel
+#   moe                 moe: the routed-experts block at M 1-8192 against lax.ragged_dot,
+#                       ragged_dot_mgpu and the floor
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
@@ -152,6 +154,10 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
       TAILN=6 run 200 draft_logits "h200_$k" python3 -m benchmarks.draft_logits --kernels "$k" \
         --reps 100 --json "$(json draft_logits "h200_$k")"
     done
+    ;;
+  moe)
+    TAILN=26 run 300 moe h200 python3 -m benchmarks.moe --m 1,16,464,2048,8192 \
+      --json "$(json moe h200)"
     ;;
   routes_check)
     TAILN=12 run 200 routes_check h200 python3 -m benchmarks.routes_check \
