@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from gdn_jax import TreeCache
 from gdn_jax.models.cache import TreeState
 from gdn_jax.models.cache_protocol import SequenceRule, TreeRule
-from gdn_jax.models.tree_attention import attend
+from gdn_jax.models.tree_attention import attend_committed
 from serving.arena_spec import ArenaSpec
 from serving.kernels import XLA_KERNELS, ArenaKernels
 from serving.memory.arena import field_to_words, gather_windows, scatter_windows, words_to_field
@@ -398,13 +398,17 @@ class ArenaCache:
                     scale=float(scale),
                 )
         k, v = self.committed_kv(ai, kv_len)
-        j = jnp.arange(k.shape[1])
-        mask = (j[None, None, :] < kv_len[:, None, None]) & (j[None, None, :] <= q_pos[:, :, None])
-        if draft_k is not None:
-            k = jnp.concatenate([k, draft_k.astype(k.dtype)], axis=1)
-            v = jnp.concatenate([v, draft_v.astype(v.dtype)], axis=1)
-            mask = jnp.concatenate([mask, draft_mask], axis=2)
-        return attend(q, k, v, mask, scale)
+        return attend_committed(
+            q,
+            k,
+            v,
+            kv_len,
+            q_pos,
+            scale=scale,
+            draft_k=draft_k,
+            draft_v=draft_v,
+            draft_mask=draft_mask,
+        )
 
     def with_lengths(self, lengths: jax.Array) -> ArenaCache:
         return dataclasses.replace(self, lengths=lengths)

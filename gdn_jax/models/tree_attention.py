@@ -94,6 +94,25 @@ def paged_attention(
     """Attention of ``q`` over the committed paged KV and the optional draft K/V (module doc)."""
     k = gather_pages(k_pages, page_table)
     v = gather_pages(v_pages, page_table)
+    return attend_committed(
+        q, k, v, kv_len, q_pos, scale=scale, draft_k=draft_k, draft_v=draft_v, draft_mask=draft_mask
+    )
+
+
+def attend_committed(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B L Hkv D"],
+    v: Float[Array, "B L Hkv D"],
+    kv_len: Int[Array, " B"],
+    q_pos: Int[Array, "B T"],
+    *,
+    scale: float,
+    draft_k: Float[Array, "B N Hkv D"] | None = None,
+    draft_v: Float[Array, "B N Hkv D"] | None = None,
+    draft_mask: Bool[Array, "B T N"] | None = None,
+) -> Float[Array, "B T Hq D"]:
+    """Attention of ``q`` over committed keys ``j < kv_len[b]`` with ``j <= q_pos[b, t]`` of
+    ``k, v`` (the row's pages already gathered), then the draft K/V where ``draft_mask``."""
     j = jnp.arange(k.shape[1])
     mask = (j[None, None, :] < kv_len[:, None, None]) & (j[None, None, :] <= q_pos[:, :, None])
     if draft_k is not None:
