@@ -165,3 +165,11 @@ def select_kernels(
         strict=kernels == "pallas",
     )
     return choice, notes
+
+
+def model_impl(kernels: str) -> str:
+    """The ``impl`` of the model's own kernel-routed ops (``chunk_gated_delta_rule``,
+    ``tree_verify``, ``tree_commit``, ``routed_experts``) under the engine's ``kernels``:
+    ``"xla"`` under ``"xla"`` and off a GPU (where ``"auto"`` is XLA anyway, so every engine on a
+    CPU shares its compiled programs), ``"auto"`` otherwise."""
+    return "auto" if kernels != "xla" and jax.default_backend() == "gpu" else "xla"

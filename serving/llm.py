@@ -12,11 +12,12 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
-from gdn_jax.models.moe import set_routed_impl
+from gdn_jax.models.model import set_kernel_impl
 from serving.engine import Engine, buckets_for, make_drafter
-from serving.kernels import KERNEL_CHOICES
+from serving.kernels import KERNEL_CHOICES, model_impl
 from serving.memory import MemoryManager, layout_for
 from serving.params import SamplingParams, SpecConfig
 from serving.runner import ArenaRunner, ModelRunner, MTPRunner
@@ -36,6 +37,14 @@ class RequestOutput:
     token_ids: list[int]
     metrics: dict[str, Any]
     text: str | None = None
+
+
+def _with_kernel_impl(model: HybridLM, kernels: str) -> HybridLM:
+    """A view of ``model`` (the same weight arrays; the caller's model is untouched) whose own
+    kernel-routed ops follow ``kernels`` (:func:`serving.kernels.model_impl`)."""
+    view = nnx.merge(*nnx.split(model))
+    set_kernel_impl(view, model_impl(kernels))
+    return view
 
 
 def load_model(model: Any, dtype=jnp.bfloat16, seed: int = 0) -> HybridLM:
@@ -89,9 +98,10 @@ class LLM:
         commit, the GDN decode step and paged attention; XLA on other backends),
         ``"pallas"`` (the same kernels everywhere, plus prefill's GDN states in place;
         interpret mode off GPU) or ``"xla"``;
-        see :class:`serving.runner.ArenaRunner`. MoE layers take the routed-experts kernels
-        under ``"auto"`` / ``"pallas"`` (:func:`gdn_jax.routed_experts` with ``impl="auto"``)
-        and ``lax.ragged_dot`` under ``"xla"``.
+        see :class:`serving.runner.ArenaRunner`. The model's own kernel-routed ops (the chunked
+        prefill, tree verify and commit, the MoE's routed experts) run with ``impl="xla"``
+        under ``"xla"`` and ``impl="auto"`` otherwise
+        (:func:`gdn_jax.models.model.set_kernel_impl`).
     """
 
     def __init__(
@@ -139,9 +149,7 @@ class LLM:
                 f"got {batch_buckets}"
             )
         jdtype = jnp.dtype(dtype)
-        self.model = load_model(model, jdtype, seed)
-        # MoE layers follow the kernel choice: "xla" keeps them on lax.ragged_dot too
-        set_routed_impl(self.model, "xla" if kernels == "xla" else "auto")
+        self.model = _with_kernel_impl(load_model(model, jdtype, seed), kernels)
         self.config = self.model.config
         self.speculative = speculative
         self.tokenizer = _tokenizer_for(model)
@@ -149,8 +157,9 @@ class LLM:
         n = speculative.num_nodes if speculative else 1
         draft = None
         if speculative is not None and speculative.method == "draft_model":
-            draft = load_model(speculative.draft_model, jdtype, seed + 1)
-            set_routed_impl(draft, "xla" if kernels == "xla" else "auto")
+            draft = _with_kernel_impl(
+                load_model(speculative.draft_model, jdtype, seed + 1), kernels
+            )
             if draft.config.vocab_size != self.config.vocab_size:
                 raise ValueError(
                     f"draft_model: vocab_size {draft.config.vocab_size} != target's "

@@ -36,7 +36,7 @@ from gdn_jax.models.cache import ModelCache, TreeState, init_cache
 from gdn_jax.models.model import HybridLM
 from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
-from serving.kernels import XLA_KERNELS, ArenaKernels, select_kernels
+from serving.kernels import XLA_KERNELS, ArenaKernels, model_impl, select_kernels
 from serving.memory import MemoryManager
 
 
@@ -186,10 +186,13 @@ _TREE_QK_L2NORM = True
 
 
 @functools.cache
-def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS):
+def _arena_programs(
+    graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS, commit_impl: str = "auto"
+):
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
     decode, verify, commit). ``kernels`` picks XLA or the in-place Pallas kernels for verify
-    and commit, and for decode's GDN layers when ``kernels.decode``
+    and commit (a commit not done in place runs :func:`gdn_jax.tree_commit` with
+    ``commit_impl``), and for decode's GDN layers when ``kernels.decode``
     (:func:`_arena_decode_program`); prefill and decode take the attention kernel when
     ``kernels.attention`` (their GDN layers stay on XLA windows unless ``kernels.decode`` /
     ``kernels.prefill``), so those programs are shared by every ``kernels`` choice with the
@@ -227,7 +230,7 @@ def _arena_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNE
         cache = cache_of(buf, table, handles, pages, lengths)
         if not isinstance(tree, TreeState):  # the scratch handles: the tree is in the arena
             tree = cache.read_tree_state(tree, path, path_len, qk_l2norm=_TREE_QK_L2NORM)
-        return steps.commit(cache, tree, path, path_len).buffer
+        return steps.commit(cache, tree, path, path_len, impl=commit_impl).buffer
 
     def tree_logits(state, buf, table, handles, pages, lengths, tokens, parents):
         out = verify(state, buf, table, handles, pages, lengths, tokens, parents, snapshot=False)
@@ -373,7 +376,12 @@ class ArenaRunner:
             self._commit,
             self._verify_transient,
             self._tree_logits,
-        ) = _arena_programs(graphdef, self.spec, self.kernel_choice)
+        ) = _arena_programs(
+            graphdef,
+            self.spec,
+            self.kernel_choice,
+            model_impl(kernels),
+        )
         self._table = None
         self.table_uploads = 0
 

@@ -54,6 +54,7 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(cfg.linear_value_dim, h, dtype=dtype, rngs=rngs)
         self.cfg = cfg
+        self.impl = "auto"  # chunk_gated_delta_rule's and tree_verify's impl (set_kernel_impl)
 
     def project(self, x: jax.Array):
         """``(qkv [B, T, C] pre-conv, z [B, T, Hv, V], g f32 [B, T, Hv], beta f32 [B, T, Hv])``."""
@@ -112,8 +113,12 @@ class GatedDeltaNet(nnx.Module):
         if rule is not None:
             o, new_ssm = rule(q, k, v, g, beta, use_qk_l2norm=True)
             return self.finish(o, z), new_conv, new_ssm
-        rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
-        o, new_ssm = rule(q, k, v, g, beta, ssm_state, use_qk_l2norm=True)
+        if recurrent:
+            o, new_ssm = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, use_qk_l2norm=True)
+        else:
+            o, new_ssm = chunk_gated_delta_rule(
+                q, k, v, g, beta, ssm_state, use_qk_l2norm=True, impl=self.impl
+            )
         return self.finish(o, z), new_conv, new_ssm
 
     def tree(
@@ -143,6 +148,12 @@ class GatedDeltaNet(nnx.Module):
                 raise ValueError("rule: the snapshot method keeps per-node states; no rule")
             o, cache = rule(q, k, v, g, beta, parents, use_qk_l2norm=True)
             return self.finish(o, z), cache, qkv
-        verify = snapshot_tree_verify if snapshot else tree_verify
-        o, cache = verify(q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True)
+        if snapshot:
+            o, cache = snapshot_tree_verify(
+                q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True
+            )
+        else:
+            o, cache = tree_verify(
+                q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True, impl=self.impl
+            )
         return self.finish(o, z), cache, qkv

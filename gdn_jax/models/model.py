@@ -69,3 +69,18 @@ class HybridLM(nnx.Module):
 
 def param_count(model: nnx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def set_kernel_impl(model: nnx.Module, impl: str) -> None:
+    """Sets the ``impl`` (``"auto"``, ``"xla"`` or ``"pallas"``) of every kernel-routed op the
+    model's layers call: ``chunk_gated_delta_rule`` and ``tree_verify`` in the GDN layers,
+    ``routed_experts`` in the MoE layers (``tree_commit`` takes it from
+    :func:`gdn_jax.models.steps.commit`'s ``impl``)."""
+    from gdn_jax.models.gdn import GatedDeltaNet
+    from gdn_jax.models.moe import SparseMoE
+
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"impl: must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, GatedDeltaNet | SparseMoE):
+            module.impl = impl

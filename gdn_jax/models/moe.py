@@ -67,13 +67,3 @@ class SparseMoE(nnx.Module):
         out = self.routed(x2, weights, experts)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return (out + shared).astype(x.dtype).reshape(shape)
-
-
-def set_routed_impl(model: nnx.Module, impl: str) -> None:
-    """Sets the ``impl`` of every :class:`SparseMoE` in ``model`` (``"auto"``, ``"xla"`` or
-    ``"pallas"``; see :func:`gdn_jax.routed_experts`)."""
-    if impl not in ("auto", "xla", "pallas"):
-        raise ValueError(f"impl: must be 'auto', 'xla' or 'pallas', got {impl!r}")
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, SparseMoE):
-            module.impl = impl

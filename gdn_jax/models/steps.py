@@ -206,8 +206,11 @@ def commit(
     tree: TreeState,
     path: Int[Array, "B D"],
     path_len: Int[Array, " B"],
+    *,
+    impl: str = "auto",
 ) -> StepCache:
-    """The cache after accepting ``path[b, :path_len[b]]`` (node ids, root to leaf)."""
+    """The cache after accepting ``path[b, :path_len[b]]`` (node ids, root to leaf); ``impl``
+    is :func:`gdn_jax.tree_commit`'s where the cache does not commit in place."""
     path = jnp.asarray(path, jnp.int32)
     path_len = jnp.asarray(path_len, jnp.int32)
     d = path.shape[1]
@@ -221,7 +224,7 @@ def commit(
                 continue
         conv, ssm = cache.gdn_state(gi)
         if isinstance(tc, TreeCache):
-            new_state = tree_commit(ssm, tc, path, path_len)
+            new_state = tree_commit(ssm, tc, path, path_len, impl=impl)
         else:  # per-node snapshots: the accepted leaf's state
             new_state = snapshot_tree_commit(ssm, tc, path, path_len)
         new_conv = tree_conv_commit(tree.conv_in[gi], conv, path, path_len)

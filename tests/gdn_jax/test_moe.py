@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_jax import routed_experts
-from gdn_jax.models.moe import SparseMoE, set_routed_impl
+from gdn_jax.models.moe import SparseMoE
 
 E, H, I, K = 6, 16, 32, 3  # experts, hidden, intermediate, experts per token
 ROUTINGS = ("random", "skewed", "all_one", "empty", "ties", "duplicates")
@@ -176,15 +176,6 @@ def test_sparse_moe_call_is_routed_plus_gated_shared(dtype):
     want = nnx.jit(parts)(moe, x)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     chex.assert_type(got, dtype)
-
-
-def test_set_routed_impl():
-    """``set_routed_impl`` reaches every MoE block of a model; bad names raise."""
-    blocks = nnx.List([tiny_moe(jnp.float32, seed=i) for i in range(2)])
-    set_routed_impl(blocks, "xla")
-    assert [b.impl for b in blocks] == ["xla", "xla"]
-    with pytest.raises(ValueError, match="impl"):
-        set_routed_impl(blocks, "triton")
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

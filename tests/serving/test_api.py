@@ -9,8 +9,11 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from gdn_jax.models import from_pretrained
+from gdn_jax.models.gdn import GatedDeltaNet
+from gdn_jax.models.moe import SparseMoE
 from serving import LLM, SamplingParams, SpecConfig
 from serving.checkpoint import save_pretrained
 from serving.spec_trees import TreeBuilder
@@ -104,3 +107,15 @@ def test_cli_help_lists_subcommands():
     ).stdout
     for cmd in ("generate", "bench", "train-tiny"):
         assert cmd in out
+
+
+def test_llm_model_impl_follows_kernels(target):
+    """The engine runs a view of the caller's model (the same weight arrays) whose own
+    kernel-routed ops follow ``kernels``: XLA under ``"xla"`` (and off a GPU); the caller's
+    model keeps its settings."""
+    llm = LLM(target, kernels="xla", **ENGINE)
+    impls = lambda model: {
+        m.impl for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet | SparseMoE)
+    }
+    assert impls(llm.model) == {"xla"} and impls(target) == {"auto"}
+    assert llm.model.embed_tokens[...] is target.embed_tokens[...]

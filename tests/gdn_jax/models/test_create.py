@@ -16,6 +16,9 @@ from hypothesis import strategies as st
 
 from gdn_jax.models import ModelConfig, abstract_model, init_random, param_count
 from gdn_jax.models.config import FULL, LINEAR
+from gdn_jax.models.gdn import GatedDeltaNet
+from gdn_jax.models.model import set_kernel_impl
+from gdn_jax.models.moe import SparseMoE
 
 CONFIGS = Path(__file__).resolve().parents[3] / "benchmarks" / "configs"
 
@@ -33,26 +36,29 @@ def test_real_configs_abstract(name, billions):
     assert param_count(model) / 1e9 == pytest.approx(billions, rel=0.01)
 
 
+TINY_MOE = ModelConfig(
+    model_type="qwen3_5_moe_text",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=4,
+    layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    mtp_num_hidden_layers=1,
+)
+
+
 def test_init_random_tiny():
-    cfg = ModelConfig(
-        model_type="qwen3_5_moe_text",
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=4,
-        layer_types=(LINEAR, LINEAR, LINEAR, FULL),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        mtp_num_hidden_layers=1,
-    )
+    cfg = TINY_MOE
     model = init_random(cfg, jnp.bfloat16, seed=3)
     assert model.embed_tokens[...].dtype == jnp.bfloat16
     assert isinstance(model.embed_tokens[...], jax.Array)
@@ -86,3 +92,14 @@ def test_to_hf_dict_round_trips(base, dense, layers, interval, tie, mtp):
     hf = cfg.to_hf_dict()
     assert json.loads(json.dumps(hf)) == hf  # plain JSON values
     assert ModelConfig.from_hf_dict(hf) == dataclasses.replace(cfg, weight_prefix="model.")
+
+
+def test_set_kernel_impl():
+    """``set_kernel_impl`` reaches every GDN and MoE layer; bad names raise."""
+    model = init_random(TINY_MOE, jnp.float32, seed=0)
+    set_kernel_impl(model, "xla")
+    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, GatedDeltaNet | SparseMoE)]
+    kinds = {type(m) for m in layers}
+    assert kinds == {GatedDeltaNet, SparseMoE} and {m.impl for m in layers} == {"xla"}
+    with pytest.raises(ValueError, match="impl"):
+        set_kernel_impl(model, "triton")
