@@ -13,7 +13,10 @@ change what transformers routes to in the tests); install it aside:
         "precision=bf16x3" "precision=bf16x3,block_v=32,num_warps=8"
 
 For the default verify spec its registers and shared memory (255, 64 KiB) are Nsight Compute's
-on the H200. Shape: ``--batch``, ``--hv`` (Hk 16), ``--nodes``; K = V = 128, bf16 q/k/v.
+on the H200. Shape: ``--batch``, ``--hv`` (Hk 16), ``--nodes``, ``--k`` / ``--v`` (128), q/k/v
+in ``--dtype`` (bf16 by default). ``--kernel arena`` / ``commit``: the verify on arena states /
+the commit kernel (``CommitBlocks``; f32 U, keys in ``--dtype``).
+
 The chunked prefill (shape ``--batch`` x ``--tokens``, Hv ``--hv``, chunk 64; the kernels'
 register use does not depend on the shape)::
 
@@ -22,17 +25,34 @@ register use does not depend on the shape)::
 
 Occupancy (blocks per SM) is ``min(65536 / (regs * 32 * warps), 228 KiB / (smem + 1 KiB),
 64 / warps)`` with registers allocated per warp in units of 256 (ptxas' own figure is close).
+
+This Triton's shared memory is not always what the launch asks for: jax's own build (XLA's
+Triton pipeline) stages twice as much for f32 q/k in the verify (256 KiB against 128 at N 128).
+``--xla`` reports that build's figure instead (``xla_shared_B``, with ``fits`` the H200's
+227 KiB and ``estimate_B`` the kernels' pre-launch formula): a deviceless XLA:GPU compile for an
+H200 target with the limit set to 1 byte, so the pipeline's limit error states the request
+(65536 B for the default bf16 verify at N 64, as Nsight measured; 262144 B for f32 at N 128,
+as the H200's launch error said). It needs the CUDA plugin of the pinned jax, in a venv aside
+(no GPU, CUDA or Triton needed)::
+
+    python -m venv /tmp/cv && /tmp/cv/bin/pip install jax==0.11.2 jaxlib==0.11.2 \\
+        jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2
+    /tmp/cv/bin/python -m benchmarks.compile_report --xla --nodes 128 --dtype float32 \\
+        "precision=tf32x3" "precision=bf16x3"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -63,22 +83,124 @@ def _lower_capturing(fn, args) -> list[tuple[str, str]]:
     return captured
 
 
-def gdn_args(b: int, t: int, hv: int, *parents) -> list[jax.ShapeDtypeStruct]:
-    """Shapes of ``q, k, v, g, beta, *parents, s0``: bf16 q/k/v (Hk 16, K = V = 128), f32
-    g/beta/s0."""
-    s = jax.ShapeDtypeStruct
-    bf, f32 = jnp.bfloat16, jnp.float32
-    qk = s((b, t, 16, 128), bf)
+def gdn_args(
+    b: int, t: int, hv: int, *parents, dtype=jnp.bfloat16, dk: int = 128, dv: int = 128, sd=None
+) -> list[jax.ShapeDtypeStruct]:
+    """Shapes of ``q, k, v, g, beta, *parents, s0``: q/k/v in ``dtype`` (Hk 16, K ``dk``,
+    V ``dv``), f32 g/beta/s0; ``sd`` makes the shapes (default ``jax.ShapeDtypeStruct``)."""
+    s = sd or jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    qk = s((b, t, 16, dk), dtype)
     gates = s((b, t, hv), f32)
-    return [qk, qk, s((b, t, hv, 128), bf), gates, gates, *parents, s((b, hv, 128, 128), f32)]
+    return [qk, qk, s((b, t, hv, dv), dtype), gates, gates, *parents, s((b, hv, dk, dv), f32)]
 
 
-def lower_verify(spec: str, b: int, hv: int, n: int) -> tuple[pk.VerifyBlocks, str]:
-    """``(blocks, Triton IR text)`` of the verify kernel lowered for sm_90 on this machine."""
+def kernel_call(kernel: str, spec: str, b: int, hv: int, n: int, dtype, dk=128, dv=128, sd=None):
+    """``(blocks, fn, arg shapes)`` of one verify (``kernel`` ``"verify"``), arena verify
+    (``"arena"``) or commit (``"commit"``) launch with l2norm."""
+    s = sd or jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    if kernel == "commit":
+        bl = parse_blocks([spec], pk.CommitBlocks)[0]
+        f32 = jnp.float32
+        args = [s((b, hv, dk, dv), f32), s((b, n, 16, dk), dtype), s((b, n, hv, dv), f32)]
+        args += [s((b, n, hv), f32), s((b, n), i32), s((b,), i32)]
+        return bl, lambda *a: pk.tree_commit(*a, use_qk_l2norm=True, blocks=bl), args
     bl = parse_blocks([spec], pk.VerifyBlocks)[0]
-    args = gdn_args(b, n, hv, jax.ShapeDtypeStruct((b, n), jnp.int32))
-    captured = _lower_capturing(lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=bl), args)
-    return bl, captured[-1][1]
+    args = gdn_args(b, n, hv, s((b, n), i32), dtype=dtype, dk=dk, dv=dv, sd=s)
+    if kernel == "verify":
+        return bl, lambda *a: pk.tree_verify(*a, use_qk_l2norm=True, blocks=bl), args
+    from pallas_kernels.verify import arena
+
+    words = (s((4, hv * dk * dv), jnp.uint32), s((4, 2), i32), s((b,), i32))
+    call = lambda *a: arena.tree_verify(*a, state_offset=0, use_qk_l2norm=True, blocks=bl)
+    return bl, call, [*args[:6], *words]
+
+
+def lower_verify(
+    spec: str, b: int, hv: int, n: int, dtype=jnp.bfloat16, kernel: str = "verify", dk=128, dv=128
+) -> tuple[pk.VerifyBlocks, str]:
+    """``(blocks, Triton IR text)`` of the verify (or ``kernel``: arena verify, commit) kernel
+    (q/k/v in ``dtype``) lowered for sm_90 on this machine."""
+    bl, fn, args = kernel_call(kernel, spec, b, hv, n, dtype, dk, dv)
+    with _no_prelaunch_limits():
+        return bl, _lower_capturing(fn, args)[-1][1]
+
+
+H200_TARGET = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 shared_memory_per_block_optin: %d threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 150754820096 registers_per_core_limit: 65536
+  registers_per_block_limit: 65536 cuda_compute_capability { major: 9 }
+}
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 } device_description_str: "NVIDIA H200"
+"""
+
+
+@contextlib.contextmanager
+def _no_prelaunch_limits():
+    """Lifts the kernels' pre-launch GPU limits, so that what a build would ask for can be
+    measured."""
+    from pallas_kernels.commit import kernel as commit_kernel
+    from pallas_kernels.verify import kernel as verify_kernel
+
+    big = 1 << 40
+    with (
+        mock.patch.object(verify_kernel, "GPU_SHARED_MEMORY", big),
+        mock.patch.object(verify_kernel, "GPU_MAX_NODES_X3", big),
+        mock.patch.object(commit_kernel, "GPU_SHARED_MEMORY", big),
+    ):
+        yield
+
+
+def xla_shared_memory(kernel: str, spec: str, b: int, hv: int, n: int, dtype, dk, dv) -> int:
+    """Bytes of shared memory per block that jax's XLA:GPU build of one kernel launch asks for on
+    an H200: a deviceless compile (CUDA plugin of the pinned jax) with the limit at 1 byte, whose
+    limit error states the request."""
+    from jax.experimental import topologies
+
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA runtime here
+    _force_h200()
+    try:
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=H200_TARGET % 1, topology="1x1x1"
+        )
+    except NotImplementedError:
+        sys.exit("--xla: this Python has no CUDA plugin; install jax-cuda12-plugin (see --help)")
+    sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    _, fn, args = kernel_call(kernel, spec, b, hv, n, dtype, dk, dv, sd=sd)
+    try:
+        with _no_prelaunch_limits():
+            jax.jit(fn).trace(*args).lower().compile()
+    except Exception as e:  # the limit error is a JaxRuntimeError
+        if m := re.search(r"Shared memory size limit exceeded: requested (\d+)", str(e)):
+            return int(m.group(1))
+        raise
+    raise RuntimeError("--xla: the compile passed a 1-byte shared memory limit")
+
+
+def xla_row(kernel: str, spec: str, args) -> dict:
+    """A ``--xla`` row: the build's shared memory, whether it fits the H200's 227 KiB and the
+    kernel's pre-launch estimate."""
+    from pallas_kernels.commit.kernel import commit_shared_memory
+    from pallas_kernels.verify.kernel import GPU_SHARED_MEMORY, refine_shared_memory
+
+    dtype = jnp.dtype(args.dtype)
+    need = xla_shared_memory(kernel, spec, args.batch, args.hv, args.nodes, dtype, args.k, args.v)
+    bl = parse_blocks([spec], pk.CommitBlocks if kernel == "commit" else pk.VerifyBlocks)[0]
+    npad, bv = max(16, 1 << (args.nodes - 1).bit_length()), min(bl.block_v, args.v)
+    low = dtype == jnp.bfloat16
+    estimate = commit_shared_memory if kernel == "commit" else refine_shared_memory
+    row = dict(spec=spec, kernel=kernel, nodes=args.nodes, dtype=dtype.name, k=args.k, v=args.v)
+    row.update(precision=bl.precision, block_v=bv, xla_shared_B=need)
+    row.update(xla_shared_KiB=need / 1024, fits=need <= GPU_SHARED_MEMORY)
+    if kernel == "commit" or bl.mode == "refine":
+        row["estimate_B"] = estimate(npad, args.k, bv, low, bl.precision)
+    return row
 
 
 def _force_h200():
@@ -168,6 +290,18 @@ VERIFY_COLS = [
     "wgmma",
     "error",
 ]
+XLA_COLS = [
+    ("spec", "blocks"),
+    "kernel",
+    "nodes",
+    "dtype",
+    "k",
+    "block_v",
+    ("xla_shared_B", "shared (B)"),
+    ("xla_shared_KiB", "KiB"),
+    "fits",
+    ("estimate_B", "estimate (B)"),
+]
 CHUNK_COLS = [
     ("spec", "ChunkBlocks"),
     "kernel",
@@ -193,14 +327,27 @@ def main(argv=None) -> list[dict]:
     )
     a = p.add_argument
     a("specs", nargs="*", default=[""], help="VerifyBlocks / ChunkBlocks specs ('' = defaults)")
-    a("--kernel", choices=("verify", "chunk"), default="verify")
+    a("--kernel", choices=("verify", "arena", "commit", "chunk"), default="verify")
     a("--tokens", type=int, default=256, help="chunk: T (tokens per sequence)")
     a("--batch", type=int, default=16)
     a("--hv", type=int, default=32)
     a("--nodes", type=int, default=64, help="verify: N (draft nodes)")
+    a("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="verify: q/k/v dtype")
+    a("--k", type=int, default=128, help="verify, commit: key head dim")
+    a("--v", type=int, default=128, help="verify, commit: value head dim")
+    a("--xla", action="store_true", help="shared memory of jax's own GPU build (see above)")
     a("--triton-path", default="/tmp/tri", help="where Triton is installed")
     a("--json", default="", help="also write the rows here (after each kernel)")
     args = p.parse_args(argv)
+    if args.xla:
+        if args.kernel == "chunk":
+            sys.exit("--xla: verify, arena or commit")
+        rows = []
+        for spec in args.specs:
+            rows.append(xla_row(args.kernel, spec, args))
+            write_json(args.json, rows)
+        print(markdown_table([dict(r, spec=f"`{r['spec'] or 'default'}`") for r in rows], XLA_COLS))
+        return rows
     if args.kernel == "chunk":
         lowered = [lower_chunk(spec, args.batch, args.tokens, args.hv) for spec in args.specs]
         jobs = [
@@ -210,9 +357,11 @@ def main(argv=None) -> list[dict]:
         ]
         cols = CHUNK_COLS
     else:
-        lowered = [lower_verify(spec, args.batch, args.hv, args.nodes) for spec in args.specs]
+        dtype = jnp.dtype(args.dtype)
+        shape = (args.batch, args.hv, args.nodes, dtype, args.kernel, args.k, args.v)
+        lowered = [lower_verify(spec, *shape) for spec in args.specs]
         jobs = [
-            (spec, "verify", ttir, bl.num_warps, bl.num_stages)
+            (spec, args.kernel, ttir, bl.num_warps, bl.num_stages)
             for spec, (bl, ttir) in zip(args.specs, lowered, strict=True)
         ]
         cols = VERIFY_COLS

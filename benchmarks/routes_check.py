@@ -5,8 +5,9 @@
 For each case (35B GDN dims: Hk 16, Hv 32, K = V = 128; random trees; bf16 and f32 inputs;
 N = 16, 64, 128) prints which implementation ``"auto"`` resolves to and the relative error of
 ``tree_verify``'s outputs ``O``, its ``U`` and of ``tree_commit``'s state against the XLA path,
-for ``"auto"`` and ``"pallas"`` (a case outside the kernels' limits shows their error message).
-Exits non-zero on an error above 1e-3.
+for ``"auto"`` and ``"pallas"`` (a case outside the kernels' limits shows their error message;
+on a GPU ``"pallas"`` runs f32 inputs at N = 128 with bf16x3 dots, the tf32x3 build exceeding
+the shared memory per block). Exits non-zero on an error above 1e-3.
 """
 
 from __future__ import annotations

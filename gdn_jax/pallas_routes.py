@@ -7,15 +7,20 @@ CPU backend the kernels run in interpret mode, so ``impl="pallas"`` works (slowl
 
 Registered: ``tree_verify`` (:func:`pallas_kernels.tree_verify`, the "refine" kernel: one-pass
 dots, an approximate inverse and iterative refinement of ``U``; its 3-pass dots run as bf16x3
-for bf16 inputs on a GPU, tf32x3 otherwise), ``tree_commit`` and ``chunk_gated_delta_rule``
-(the three-kernel prefill). ``"auto"`` takes them on a GPU where they were measured faster than
-the XLA path (benchmarks/README.md, ``python -m benchmarks.kernels``): verify for trees of at most
-:data:`AUTO_MAX_NODES` nodes with power-of-two head dims (at 128 nodes the kernel runs but is no
-faster than XLA); commit likewise and only from :data:`AUTO_COMMIT_MIN_ROWS` rows of ``B * Hv``;
-the chunked prefill for power-of-two head dims and chunks of 16 to 64 tokens.
+for bf16 inputs on a GPU, tf32x3 otherwise, and bf16x3 where a tf32x3 build would exceed the
+GPU's shared memory: f32 q/k above 64 nodes at K 128), ``tree_commit`` and
+``chunk_gated_delta_rule`` (the three-kernel prefill). ``"auto"`` takes them on a GPU where they
+were measured faster than the XLA path (benchmarks/README.md, ``python -m benchmarks.kernels``):
+verify for trees of at most :data:`AUTO_MAX_NODES` nodes with power-of-two head dims whose
+tf32x3 / bf16x3 build fits the shared memory (at 128 nodes the kernel runs but is no faster
+than XLA); commit for the same node count and head dims and only from
+:data:`AUTO_COMMIT_MIN_ROWS` rows of ``B * Hv``; the chunked prefill for power-of-two head dims
+and chunks of 16 to 64 tokens.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +29,7 @@ import pallas_kernels
 from gdn_jax.dispatch import AUTO_PALLAS, PALLAS_OPS
 from gdn_jax.tree_wy import TreeCache
 from pallas_kernels import moe as moe_kernels
+from pallas_kernels.verify.kernel import check_gpu_limits
 
 AUTO_MAX_NODES = 64
 # store_t: the intra kernel stores T diag(beta) instead of W and U (1.26x / 1.22x faster on the
@@ -45,12 +51,41 @@ def _fits_gpu_kernel(q, k, v) -> bool:
     return n <= AUTO_MAX_NODES and _pow2_dim(dk) and _pow2_dim(dv)
 
 
+def _verify_launches(blocks, q, k, v) -> bool:
+    """Whether the verify kernel's GPU build with ``blocks`` passes its pre-launch limits."""
+    try:
+        check_gpu_limits(blocks, k.shape[1], k.shape[3], v.shape[3], q.dtype, k.dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def _measured_verify_blocks(q, k, v, interpret: bool) -> pallas_kernels.VerifyBlocks:
+    low = q.dtype == k.dtype == v.dtype == jnp.bfloat16
+    return pallas_kernels.VerifyBlocks(precision="bf16x3" if low and not interpret else "tf32x3")
+
+
 def verify_blocks_for(q, k, v, interpret: bool) -> pallas_kernels.VerifyBlocks:
     """The verify kernel's knobs for these inputs: its 3-pass dots as bf16x3 when q, k and v are
     all bf16 on a GPU, else tf32x3 (default mode "refine": one-pass dots, bf16 approximate
-    inverse, two refinement steps). Shared with the serving arena's verify."""
-    low = q.dtype == k.dtype == v.dtype == jnp.bfloat16
-    return pallas_kernels.VerifyBlocks(precision="bf16x3" if low and not interpret else "tf32x3")
+    inverse, two refinement steps). On a GPU, where the tf32x3 build would exceed the shared
+    memory per block (f32 q/k at more than 64 nodes with K 128: 256 KiB against 227 KiB), the
+    3-pass dots run as bf16x3 if that fits (128 KiB there; O's relative error ~6e-6 against
+    ~4e-7 for tf32x3, the H200's dots emulated on the CPU); where nothing fits the kernel raises
+    its ValueError. Shared with the serving arena's verify."""
+    blocks = _measured_verify_blocks(q, k, v, interpret)
+    if interpret or blocks.precision == "bf16x3" or _verify_launches(blocks, q, k, v):
+        return blocks
+    fallback = dataclasses.replace(blocks, precision="bf16x3")
+    return fallback if _verify_launches(fallback, q, k, v) else blocks
+
+
+def _verify_auto(q, k, v) -> bool:
+    """``"auto"``: trees of at most :data:`AUTO_MAX_NODES` nodes, power-of-two head dims and a
+    GPU build of the measured knobs that fits the shared memory (f32 q/k with K 256 at 64 nodes
+    does not)."""
+    blocks = _measured_verify_blocks(q, k, v, interpret=False)
+    return _fits_gpu_kernel(q, k, v) and _verify_launches(blocks, q, k, v)
 
 
 def tree_verify(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2norm):
@@ -117,7 +152,7 @@ def _commit_auto(cache) -> bool:
 # (benchmarks/README.md).
 AUTO_PALLAS.update(
     chunk_gated_delta_rule=_fits_chunk_kernel,
-    tree_verify=_fits_gpu_kernel,
+    tree_verify=_verify_auto,
     tree_commit=_commit_auto,
 )
 

@@ -36,7 +36,7 @@ from pallas_kernels._wy import (
     pad_axis,
     prep_rows,
 )
-from pallas_kernels.verify.kernel import MAX_NODES
+from pallas_kernels.verify.kernel import GPU_SHARED_MEMORY, MAX_NODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,22 @@ def _kernel(
     out_ref[...] = jnp.exp(g_last) * s0_ref[...] + upd
 
 
+def commit_shared_memory(npad: int, dk: int, bv: int, low: bool, precision: str) -> int:
+    """Bytes of shared memory per block that the commit kernel's GPU build asks for (sm_90,
+    jax 0.11.2's XLA Triton pipeline): ``npad`` padded nodes, key dim ``dk``, ``bv`` value
+    columns per program, ``low`` for bf16 keys (raw bf16 k and the two bf16 halves of the
+    weights: ``2 N dk + 4 N bv``), else the ``K^T (c U)`` dot's split operands, ``e N (dk + bv)``
+    with ``e`` 8 bytes per element for tf32x3 and 4 otherwise; at least ``4 dk bv``. Fitted to
+    deviceless compiles (``benchmarks/results/compile_report/verify_smem.json``: N 16 to 128,
+    K 64 to 256, block_v 32 to 128): equal to the build's figure on 132 of 180 configurations,
+    above it on the rest, refusing none that would fit."""
+    if low:
+        need = 2 * npad * dk + 4 * npad * bv
+    else:
+        need = (8 if precision == "tf32x3" else 4) * npad * (dk + bv)
+    return max(need, 4 * dk * bv)
+
+
 class CommitLaunch(NamedTuple):
     """Padded commit inputs, their block specs on the (row, value head, column block) grid, and
     the kernel body (``(s0_ref, k_ref, u_ref, gp_ref, path_ref, out_ref)``)."""
@@ -106,7 +122,8 @@ class CommitLaunch(NamedTuple):
 def prepare_commit_launch(
     k, u, g_path, path, path_len, blocks: CommitBlocks, *, use_qk_l2norm: bool, interpret: bool
 ) -> CommitLaunch:
-    """Checks the commit's inputs (ValueError naming the limit), pads ``N`` and the path to
+    """Checks the commit's inputs (ValueError naming the limit; off interpret mode also the
+    GPU's shared memory per block, :func:`commit_shared_memory`), pads ``N`` and the path to
     powers of two >= 16 (path entries past ``path_len`` become -1), and builds the specs."""
     b, n, hk, dk = k.shape
     hv, dv = u.shape[2], u.shape[3]
@@ -119,6 +136,15 @@ def prepare_commit_launch(
     check_float("k", k)
     bv = min(blocks.block_v, dv)
     npad = next_pow2(n, 16)
+    low = k.dtype == jnp.bfloat16
+    need = commit_shared_memory(npad, dk, bv, low, blocks.precision)
+    if not interpret and need > GPU_SHARED_MEMORY:
+        raise ValueError(
+            f"N: on GPU the tree_commit kernel for {n} nodes (padded to {npad}), {k.dtype} keys, "
+            f"K {dk}, block_v {bv} and precision={blocks.precision!r} needs {need // 1024} KiB of "
+            f"shared memory per block, over the 227 KiB ({GPU_SHARED_MEMORY} bytes) of the H200; "
+            "use a smaller block_v, precision='bf16x3' or the XLA path"
+        )
     k, u, g_path = (pad_axis(x, 1, npad) for x in (k, u, g_path))
     dpad = next_pow2(path.shape[1], 16)
     valid = jnp.arange(path.shape[1])[None, :] < path_len[:, None]

@@ -19,6 +19,7 @@ from pallas_kernels.verify.kernel import (
     DEFAULT_VERIFY_BLOCKS,
     MAX_NODES,
     VerifyBlocks,
+    check_gpu_limits,
     refine_kernel,
     verify_specs,
 )
@@ -43,7 +44,8 @@ def tree_verify(
 ):
     """:func:`pallas_kernels.verify.tree_verify` with ``S0[b]`` read from the arena: the f32
     ``[Hv, K, V]`` state at word ``table[handles[b], 1] + state_offset`` of segment
-    ``table[handles[b], 0]``. Returns ``(o, u, g_path)``."""
+    ``table[handles[b], 0]``. Returns ``(o, u, g_path)``; the dense kernel's GPU limits apply
+    (same build, same shared memory)."""
     b, n = k.shape[:2]
     hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
     if blocks.mode != "refine" or blocks.ancestors_input:
@@ -52,6 +54,8 @@ def tree_verify(
         raise ValueError(f"N: the arena verify supports at most {MAX_NODES} nodes, got {n}")
     check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
+    if not interpret:
+        check_gpu_limits(blocks, n, dk, dv, q.dtype, k.dtype)
     q, k, v, g, beta, parents = t[:6]
     npad, bv = t.npad, t.bv
     body = functools.partial(

@@ -44,16 +44,19 @@ from pallas_kernels._wy import (
     dot,
     dot_precision,
     masked_decay,
+    next_pow2,
     prep_rows,
     prepare_tree_launch,
     wy_block,
 )
 
-# The refine kernel builds and runs on the H200 up to MAX_NODES (64 KiB of shared memory at
-# N = 64); the x3 kernel's 128-node tile asks for 320 KiB (the limit is 227 KiB per block), so
-# on GPU it stops at GPU_MAX_NODES_X3. Interpret mode has no such limit.
+# Node limit of the kernels. On GPU a block gets at most GPU_SHARED_MEMORY bytes of shared
+# memory (227 KiB on the H200): the refine kernel's need is refine_shared_memory (f32 q/k at
+# 128 nodes and K 128 with tf32x3 dots ask for 256 KiB); the x3 kernel's 128-node f32 tile asks
+# for 320 KiB, so on GPU it stops at GPU_MAX_NODES_X3. Interpret mode has no such limit.
 MAX_NODES = 128
 GPU_MAX_NODES_X3 = 64
+GPU_SHARED_MEMORY = 232448
 BF16 = jnp.bfloat16
 # Diagnostic cut points of the refine kernel ("" = the whole kernel).
 STAGES = ("", "load", "products", "matrix", "inverse", "refine")
@@ -114,6 +117,70 @@ class VerifyBlocks:
 
 
 DEFAULT_VERIFY_BLOCKS = VerifyBlocks()
+
+
+def refine_shared_memory(npad: int, dk: int, bv: int, low: bool, precision: str) -> int:
+    """Bytes of shared memory per block that the refine kernel's GPU build asks for (sm_90,
+    jax 0.11.2's XLA Triton pipeline): ``npad`` padded nodes, key dim ``dk``, ``bv`` value
+    columns per program, ``low`` for raw bf16 q and k, ``precision`` of the 3-pass dots.
+
+    The largest set of dot operands staged at once (``N = npad``): the bf16 ``[N, N]`` operands
+    of the one-pass inverse (``4 N^2``); a split x3 operand takes ``e`` bytes per element
+    (tf32x3: 8, bf16x3: 4): ``U`` in the residual and output dots (``e N bv``) and, for q/k that
+    are not both bf16, both q and k (``2 e N dk``) and k with the ``S0`` tile
+    (``e dk (N + bv)``), one operand at a time below 64 rows (``e N dk``, ``4 dk bv``); raw bf16
+    q, k and the two bf16 halves of ``S0`` (``4 dk (N + bv)``); ``"highest"`` (f32 FMA dots):
+    ``6 N^2``, ``8 N bv`` and for f32 q/k ``8 N dk + 4 dk max(bv, 32)``. Fitted to deviceless
+    compiles (``benchmarks/results/compile_report/verify_smem.json``: N 16 to 128, K 16 to 256,
+    block_v 16 to 256, the dense and the arena kernel): equal to the build's figure on 453 of
+    486 configurations and above it on the rest, refusing 6 builds that would fit (N 128 with
+    block_v 256 and ``"highest"``, or f32 q/k, K 256, block_v 128 and bf16x3). The other knobs
+    (warps, ``ancestors_input``, inverse and output precision, refinement steps) measured no
+    change.
+    """
+    n = npad
+    terms = [4 * n * n]
+    if precision == "highest":
+        terms += [6 * n * n, 8 * n * bv]
+        if not low:
+            terms.append(8 * n * dk + 4 * dk * max(bv, 32))
+    else:
+        e = 8 if precision == "tf32x3" else 4
+        terms.append(e * n * bv)
+        if not low:
+            wide = n >= 64
+            terms += [2 * e * n * dk, e * dk * (n + bv)] if wide else [e * n * dk, 4 * dk * bv]
+    if low:
+        terms.append(4 * dk * (n + bv))
+    return max(terms)
+
+
+def check_gpu_limits(blocks: VerifyBlocks, n: int, dk: int, dv: int, q_dtype, k_dtype) -> None:
+    """ValueError naming the limit when the verify kernel's GPU build for ``n`` nodes could not
+    launch: the x3 kernel above :data:`GPU_MAX_NODES_X3` nodes, the refine kernel when
+    :func:`refine_shared_memory` exceeds :data:`GPU_SHARED_MEMORY`."""
+    if blocks.mode == "x3":
+        if n > GPU_MAX_NODES_X3:
+            raise ValueError(
+                f"N: on GPU the x3-mode tree_verify kernel supports at most {GPU_MAX_NODES_X3} "
+                f"nodes (a 128-node tile exceeds the 227 KiB shared memory per block), got {n}; "
+                "use mode='refine' or the XLA path"
+            )
+        return
+    npad, bv = next_pow2(n, 16), min(blocks.block_v, dv)
+    low = jnp.dtype(q_dtype) == BF16 and jnp.dtype(k_dtype) == BF16
+    need = refine_shared_memory(npad, dk, bv, low, blocks.precision)
+    if need <= GPU_SHARED_MEMORY:
+        return
+    dtypes = "/".join(sorted({jnp.dtype(q_dtype).name, jnp.dtype(k_dtype).name}))
+    hint = "fewer nodes or the XLA path"
+    if refine_shared_memory(npad, dk, bv, low, "bf16x3") <= GPU_SHARED_MEMORY:
+        hint = "precision='bf16x3', " + hint
+    raise ValueError(
+        f"N: on GPU the tree_verify kernel for {n} nodes (padded to {npad}), {dtypes} q/k, K {dk},"
+        f" block_v {bv} and precision={blocks.precision!r} needs {need // 1024} KiB of shared "
+        f"memory per block, over the 227 KiB ({GPU_SHARED_MEMORY} bytes) of the H200; use {hint}"
+    )
 
 
 def _one_pass(name: str, interpret: bool):
@@ -380,6 +447,8 @@ def tree_verify(
 
     Returns ``(o [B, N, Hv, V] in v's dtype, u f32 [B, N, Hv, V], g_path f32 [B, N, Hv])``.
     ``N`` is padded to a power of two >= 16 (padding nodes have parent -2 and zero inputs).
+    Off interpret mode, a build that could not launch on the GPU raises ``ValueError`` before
+    lowering (:func:`check_gpu_limits`).
     """
     b, n, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -389,13 +458,9 @@ def tree_verify(
         )
     if not isinstance(blocks, VerifyBlocks):
         raise ValueError(f"blocks: a VerifyBlocks, got {type(blocks).__name__}")
-    if not interpret and blocks.mode == "x3" and n > GPU_MAX_NODES_X3:
-        raise ValueError(
-            f"N: on GPU the x3-mode tree_verify kernel supports at most {GPU_MAX_NODES_X3} nodes "
-            f"(a 128-node tile exceeds the 227 KiB shared memory per block), got {n}; "
-            "use mode='refine' or the XLA path"
-        )
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
+    if not interpret:
+        check_gpu_limits(blocks, n, dk, dv, q.dtype, k.dtype)
     q, k, v, g, beta, parents = t[:6]
     npad, bv, scale = t.npad, t.bv, t.scale
 

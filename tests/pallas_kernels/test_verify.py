@@ -5,12 +5,14 @@ arena kernel (``arena.py``) against its reference and its input checks; the snap
 float64 numpy reference.
 
 Shapes are tiny (interpret mode runs the kernel body op by op on the CPU): K, V in {16, 32},
-N <= 16, a handful of hypothesis examples over random trees.
+N <= 16 (one 128-node tree), a handful of hypothesis examples over random trees. The GPU limits
+(shared memory per block) are checked without a device: they raise before lowering.
 """
 
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
+from gdn_jax.dispatch import AUTO_PALLAS
+from gdn_jax.pallas_routes import verify_blocks_for
+from pallas_kernels.commit.kernel import commit_shared_memory
 from pallas_kernels.verify import arena as verify_arena
+from pallas_kernels.verify.kernel import check_gpu_limits, refine_shared_memory
 from pallas_kernels.verify.reference import (
     snapshot_verify_reference,
     tree_verify_arena_reference,
@@ -253,8 +259,79 @@ def test_limits_raise():
 
 
 def test_gpu_limits_raise_before_lowering():
-    """The GPU builds' shared-memory limits are ValueErrors naming the limit (no device needed)."""
+    """The GPU builds' shared-memory limits are ValueErrors naming the limit, raised before
+    lowering (no device needed): the x3 kernel above 64 nodes; the refine kernel, dense and on
+    arena states, for f32 q/k at 128 nodes with K = V = 128 and tf32x3 dots (256 KiB); the
+    commit kernel for f32 keys with K 256 at 128 nodes (320 KiB)."""
     q, v, g, par = _zeros(65)
     x3 = pk.VerifyBlocks(mode="x3")
     with pytest.raises(ValueError, match="x3-mode .* at most 64 nodes"):
         pk.tree_verify(q, q, v, g, g, par, jnp.zeros((1, 1, 16, 16)), blocks=x3)
+    q, v, g, par = _zeros(128, k=128, v=128)
+    limit = r"128 nodes .*float32 q/k.*'tf32x3' needs 256 KiB .*227 KiB \(232448 bytes\)"
+    with pytest.raises(ValueError, match=limit):
+        pk.tree_verify(q, q, v, g, g, par, jnp.zeros((1, 1, 128, 128)))
+    words = jnp.zeros((1, 128 * 128), jnp.uint32)
+    addr = (words, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match=limit):
+        verify_arena.tree_verify(q, q, v, g, g, par, *addr, state_offset=0)
+    k = jnp.zeros((1, 128, 1, 256))
+    path, plen = jnp.zeros((1, 128), jnp.int32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match=r"tree_commit .*320 KiB .*232448 bytes"):
+        pk.tree_commit(jnp.zeros((1, 1, 256, 128)), k, v, g, path, plen)
+
+
+# (npad, K, block_v, bf16 q/k, precision): bytes of jax's GPU build for sm_90
+# (benchmarks/results/compile_report/verify_smem.json); the first is Nsight Compute's figure on
+# the H200, the second the H200's launch error.
+MEASURED_REFINE = {
+    (64, 128, 64, True, "bf16x3"): 65536,
+    (128, 128, 64, False, "tf32x3"): 262144,
+    (128, 128, 64, True, "bf16x3"): 98304,
+    (128, 128, 64, False, "bf16x3"): 131072,
+    (128, 128, 64, False, "highest"): 163840,
+    (64, 128, 64, False, "tf32x3"): 131072,
+    (64, 256, 64, False, "tf32x3"): 262144,
+    (128, 64, 64, False, "tf32x3"): 131072,
+    (32, 128, 128, False, "tf32x3"): 65536,
+    (128, 256, 128, True, "bf16x3"): 262144,
+}
+
+
+def test_shared_memory_estimates():
+    """The pre-launch estimates equal the measured builds; the GPU checks pass what fits."""
+    for (npad, dk, bv, low, precision), want in MEASURED_REFINE.items():
+        assert refine_shared_memory(npad, dk, bv, low, precision) == want
+    assert commit_shared_memory(128, 128, 64, False, "tf32x3") == 196608
+    assert commit_shared_memory(128, 256, 64, False, "tf32x3") == 327680
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    check_gpu_limits(pk.VerifyBlocks(), 64, 128, 128, f32, f32)
+    check_gpu_limits(pk.VerifyBlocks(precision="bf16x3"), 128, 128, 128, bf16, bf16)
+    check_gpu_limits(pk.VerifyBlocks(precision="bf16x3"), 128, 128, 128, f32, f32)
+    with pytest.raises(ValueError, match="use precision='bf16x3'"):
+        check_gpu_limits(pk.VerifyBlocks(), 100, 128, 128, f32, f32)
+
+
+def test_route_picks_a_build_that_launches():
+    """On a GPU the route keeps tf32x3 for f32 inputs up to 64 nodes and takes bf16x3 above
+    (the tf32x3 build does not fit); interpret mode keeps tf32x3. ``"auto"`` takes the kernel
+    only where its measured build fits."""
+    s = jax.ShapeDtypeStruct
+
+    def qkv(n, dtype, d=128):
+        return s((1, n, 16, d), dtype), s((1, n, 16, d), dtype), s((1, n, 32, 128), dtype)
+
+    pick = lambda *a, interpret=False: verify_blocks_for(*a, interpret).precision
+    assert pick(*qkv(64, jnp.float32)) == "tf32x3"
+    assert pick(*qkv(128, jnp.float32)) == "bf16x3"
+    assert pick(*qkv(128, jnp.bfloat16)) == "bf16x3"
+    assert pick(*qkv(128, jnp.float32), interpret=True) == "tf32x3"
+    auto = AUTO_PALLAS["tree_verify"]
+    assert auto(*qkv(64, jnp.float32)) and not auto(*qkv(64, jnp.float32, 256))
+
+
+def test_interpret_runs_128_nodes():
+    """Interpret mode has no shared-memory limit: f32 q/k at 128 nodes (too large for the GPU
+    build at K 128) run and match float64."""
+    parents = make_tree("random", 128, np.random.default_rng(5))[None]
+    check_verify(parents, 1, 1, 16, 16, np.float32, True, seed=5)
