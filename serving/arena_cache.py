@@ -77,10 +77,45 @@ class ArenaCache:
     lengths: jax.Array
     spec: ArenaSpec
     kernels: ArenaKernels = XLA_KERNELS
+    # with ``defer`` the windowed writes wait in ``pending`` (``(segment, word, rows)``
+    # triples) until :meth:`flush`; reads see the buffer as it was before them
+    pending: tuple = ()
+    defer: bool = False
 
     @property
     def _oob(self) -> int:
         return self.buffer.shape[0]
+
+    def _write(self, seg: jax.Array, word: jax.Array, rows: jax.Array) -> ArenaCache:
+        """One windowed scatter (:func:`scatter_windows`), or queued when ``defer``."""
+        if self.defer:
+            return dataclasses.replace(self, pending=(*self.pending, (seg, word, rows)))
+        return dataclasses.replace(self, buffer=scatter_windows(self.buffer, seg, word, rows))
+
+    def flush(self, *after):
+        """The queued writes applied, after every read of the buffer so far: the cache, or
+        ``(cache, after)`` when given ``after``, values computed from reads that are not among
+        the written ones (a verify's logits: the last layer's reads feed only them), passed
+        through the same barrier so their reads are ordered before the writes too.
+
+        A program that reads the arena, computes and writes its results back (a commit, a
+        verify writing its scratch) would otherwise interleave each layer's reads with the
+        previous layer's writes: XLA then cannot prove a read runs before the write that
+        updates the buffer in place and copies the whole arena before that write. Queued
+        writes go behind one ``optimization_barrier`` over the buffer and every written value,
+        so all reads of the buffer are ordered before the first write and each write is in
+        place."""
+        if not self.pending:
+            return (self, after) if after else self
+        buf, pending, after_ = jax.lax.optimization_barrier((self.buffer, self.pending, after))
+        for seg, word, rows in pending:
+            buf = scatter_windows(buf, seg, word, rows)
+        cache = dataclasses.replace(self, buffer=buf, pending=())
+        return (cache, after_) if after else cache
+
+    def _no_pending(self, what: str) -> None:
+        if self.pending:
+            raise ValueError(f"arena cache: {what} would not see the queued writes; flush() first")
 
     def _lookup(self, handles: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(segment, word)`` of ``handles`` through the table; ``segment = num_segments``
@@ -119,24 +154,21 @@ class ArenaCache:
     def with_gdn_conv_state(self, gi: int, conv: jax.Array) -> ArenaCache:
         sp = self.spec
         seg, word = self._state_lookup(fresh=False)
-        buf = scatter_windows(
-            self.buffer,
+        return self._write(
             seg,
             word + sp.conv_offset + gi * sp.conv_words,
             field_to_words(conv.astype(sp.conv_dtype), seg.shape[0]),
         )
-        return dataclasses.replace(self, buffer=buf)
 
     def with_gdn_state(self, gi: int, conv: jax.Array, ssm: jax.Array) -> ArenaCache:
         sp = self.spec
         seg, word = self._state_lookup(fresh=False)
-        buf = scatter_windows(
-            self.buffer,
+        cache = self._write(
             seg,
             word + sp.state_offset + gi * sp.state_words,
             field_to_words(ssm.astype(sp.state_dtype), seg.shape[0]),
         )
-        return dataclasses.replace(self, buffer=buf).with_gdn_conv_state(gi, conv)
+        return cache.with_gdn_conv_state(gi, conv)
 
     # ------------------------------------------------------------ in-place kernels (Pallas)
 
@@ -294,17 +326,16 @@ class ArenaCache:
         seg, word = self._lookup(h, valid & (logical < mp) & (h >= 0))
         word = word + (positions % sp.page_size) * sp.token_words
         n = seg.size
-        buf = self.buffer
+        cache = self
         for kv, x in ((0, k), (1, v)):
             rows = field_to_words(x.astype(sp.kv_dtype), n)
-            buf = scatter_windows(
-                buf, seg.reshape(n), (word + self._block(ai, kv)).reshape(n), rows
-            )
-        return dataclasses.replace(self, buffer=buf)
+            cache = cache._write(seg.reshape(n), (word + self._block(ai, kv)).reshape(n), rows)
+        return cache
 
     def committed_kv(self, ai: int, kv_len: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Attention layer ``ai``'s K and V of every row's pages: ``[B, MP * S, Hkv, D]`` (the
         XLA path's gather), positions ``>= kv_len`` zeroed."""
+        self._no_pending("reading the KV pages")
         sp = self.spec
         h = self.page_handles
         b, mp = h.shape
@@ -370,6 +401,7 @@ class ArenaCache:
         a shape that kernel does not take go to XLA (a ``ValueError`` when ``strict``)."""
         sp = self.spec
         kn = self.kernels
+        self._no_pending("attention")
         if draft_k is not None and kn.attention and kn.takes(draft_k.shape[1], "tree attention"):
             from pallas_kernels.attention.arena import tree_attention
 
@@ -438,7 +470,7 @@ class ArenaCache:
         b = scratch.shape[0]
         draft_k = tree.draft_k if la else None
         draft_v = tree.draft_v if la else None
-        buf = self.buffer
+        cache = self
         if scratch.ndim == 1:  # one stash unit per row
             f = self._stash_fields()
             n = tree.conv_in.shape[2] if lg else draft_k.shape[2]
@@ -468,18 +500,18 @@ class ArenaCache:
                 ]
             for name, x in parts:
                 fld = f[name]
-                buf = scatter_windows(
-                    buf, seg, word + fld.word_offset, field_to_words(x.astype(fld.dtype), b)
+                cache = cache._write(
+                    seg, word + fld.word_offset, field_to_words(x.astype(fld.dtype), b)
                 )
-            return dataclasses.replace(self, buffer=buf)
+            return cache
         # snapshot: one unit per node
         n = scratch.shape[1]
         m = b * n
         seg, word = seg.reshape(m), word.reshape(m)
         if lg:
             states = jnp.stack(tree.gdn, 2)  # [B, N, Lg, Hv, K, V]
-            buf = scatter_windows(
-                buf, seg, word + sp.state_offset, field_to_words(states.astype(sp.state_dtype), m)
+            cache = cache._write(
+                seg, word + sp.state_offset, field_to_words(states.astype(sp.state_dtype), m)
             )
         sp.snapshot_packing()  # raises when a node's conv inputs and draft K/V do not fit
         packed = []
@@ -488,8 +520,7 @@ class ArenaCache:
         if la:
             for d in (draft_k, draft_v):  # [La, B, N, Hkv, D] -> [B*N, La*Hkv*D]
                 packed.append(field_to_words(jnp.moveaxis(d, 0, 2).astype(sp.kv_dtype), m))
-        buf = scatter_windows(buf, seg, word + sp.conv_offset, jnp.concatenate(packed, axis=1))
-        return dataclasses.replace(self, buffer=buf)
+        return cache._write(seg, word + sp.conv_offset, jnp.concatenate(packed, axis=1))
 
     def read_tree_state(
         self, scratch: jax.Array, path: jax.Array, path_len: jax.Array, *, qk_l2norm: bool
@@ -557,6 +588,6 @@ class ArenaCache:
 
 jax.tree_util.register_dataclass(
     ArenaCache,
-    data_fields=["buffer", "table", "state_handles", "page_handles", "lengths"],
-    meta_fields=["spec", "kernels"],
+    data_fields=["buffer", "table", "state_handles", "page_handles", "lengths", "pending"],
+    meta_fields=["spec", "kernels", "defer"],
 )

@@ -13,10 +13,12 @@ import time
 import numpy as np
 
 from serving.acceptance import greedy_accept, rejection_accept, sample, target_probs
+from serving.arena_cache import ArenaCache
 from serving.drafters import ModelDrafter, MTPDrafter, NgramDrafter
 from serving.params import SpecConfig
 from serving.runner import ArenaRunner, ModelRunner
 from serving.scheduler import Request, Scheduler
+from serving.spec_device import DeviceSpeculator
 from serving.spec_trees import TreeBuilder
 
 
@@ -39,6 +41,7 @@ class Engine:
         drafter=None,
         draft_runner: ModelRunner | ArenaRunner | None = None,
         progress=None,
+        device_speculation: bool = True,
     ):
         self.runner = runner
         self.sched = scheduler
@@ -52,9 +55,14 @@ class Engine:
         self.num_nodes = spec.num_nodes if spec else 1
         self.depth = spec.max_depth if spec else 0
         self.snapshot = bool(spec and spec.verify == "snapshot")
+        self.device_spec = None
+        if spec is not None and device_speculation:
+            self.device_spec = _device_speculator(runner, spec, drafter, draft_runner)
 
     def compiled(self) -> int:
         n = self.runner.compiled()
+        if self.device_spec is not None:
+            n += self.device_spec.compiled()
         if self.draft_runner is not None:
             n += self.draft_runner.compiled()
         if isinstance(self.drafter, MTPDrafter):
@@ -186,7 +194,54 @@ class Engine:
             lg = None if logits_h is None else logits_h[i]
             self._emit(r, [self._sample(r, lg, am[i], 0)], now)
 
+    def _speculate_on_device(self, reqs: list[Request]) -> None:
+        """One device program: draft, verify, accept, commit (:mod:`serving.spec_device`)."""
+        rows, _ = self._rows(reqs)
+        b = rows[0].shape[0]
+        root = np.zeros(b, np.int32)
+        seeds = np.zeros((b, 3), np.uint32)
+        temp = np.zeros(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        top_p = np.ones(b, np.float32)
+        for i, r in enumerate(reqs):
+            p = r.params
+            root[i] = r.output[-1]
+            seeds[i] = (p.seed % (1 << 32), r.index % (1 << 32), len(r.output))
+            temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        kw = {}
+        if isinstance(self.drafter, MTPDrafter):
+            h = reqs[0].hidden
+            hidden = np.zeros((b, h.shape[-1]), h.dtype)
+            for i, r in enumerate(reqs):
+                hidden[i] = r.hidden
+            kw["hidden"] = hidden
+        elif isinstance(self.drafter, NgramDrafter):  # trees from the host's n-gram lookups
+            builders = [TreeBuilder(r.output[-1], self.spec, None) for r in reqs]
+            self.drafter.draft([r.context() for r in reqs], builders)
+            tokens = np.zeros((b, self.num_nodes), np.int32)
+            parents = np.full((b, self.num_nodes), -2, np.int32)
+            parents[:, 0] = -1
+            for i, tb in enumerate(builders):
+                tokens[i], parents[i] = tb.arrays(self.num_nodes)
+            kw.update(tokens=tokens, parents=parents)
+        out, counts, hidden = self.device_spec(
+            *rows, root, self._scratch(reqs, b), seeds, temp, top_k, top_p, **kw
+        )
+        out, counts = np.asarray(out), np.asarray(counts)
+        if isinstance(self.drafter, MTPDrafter):
+            hidden = np.asarray(hidden)
+        now = time.perf_counter()
+        for i, r in enumerate(reqs):
+            m = int(counts[i])
+            r.computed += m
+            if isinstance(self.drafter, MTPDrafter):
+                r.hidden = hidden[i]
+            r.accept_lengths.append(m)
+            self._emit(r, [int(t) for t in out[i, :m]], now)
+
     def _speculate(self, reqs: list[Request]) -> None:
+        if self.device_spec is not None:
+            return self._speculate_on_device(reqs)
         spec, n = self.spec, self.num_nodes
         rows, draft_rows = self._rows(reqs)
         b = rows[0].shape[0]
@@ -247,6 +302,21 @@ class Engine:
                 r.hidden = hidden[i, paths[i, m - 1]]
             r.accept_lengths.append(m)
             self._emit(r, [tb.tokens[j] for j in paths[i, 1:m]] + [nexts[i]], now)
+
+
+def _device_speculator(runner, spec: SpecConfig, drafter, draft_runner):
+    """The one-program speculative step for this engine, or ``None`` where the host's
+    multi-program path runs: dynamic (budget) trees, the pooled cache, a draft model that
+    keeps its own pools."""
+    if spec.tree is None or runner.kind != "arena" or runner.make_cache is not ArenaCache:
+        return None
+    if isinstance(drafter, ModelDrafter):
+        if draft_runner is None or draft_runner.kind != "arena":
+            return None
+        return DeviceSpeculator(runner, spec, drafter="draft_model", draft_runner=draft_runner)
+    if isinstance(drafter, MTPDrafter):
+        return DeviceSpeculator(runner, spec, drafter="mtp")
+    return DeviceSpeculator(runner, spec, drafter="ngram")
 
 
 def make_drafter(spec: SpecConfig, vocab: int, draft_runner, mtp_runner):

@@ -187,7 +187,11 @@ _TREE_QK_L2NORM = True
 
 @functools.cache
 def _arena_programs(
-    graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS, commit_impl: str = "auto"
+    graphdef,
+    spec: ArenaSpec,
+    kernels: ArenaKernels = XLA_KERNELS,
+    commit_impl: str = "auto",
+    make_cache=ArenaCache,
 ):
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
     decode, verify, commit). ``kernels`` picks XLA or the in-place Pallas kernels for verify
@@ -203,10 +207,15 @@ def _arena_programs(
     the arena; ``commit`` given those handles in place of a tree state reads it back from them
     (:meth:`ArenaCache.read_tree_state`). Without ``scratch``, ``verify`` returns the tree
     state as a transient device value (and not the arena: run it undonated, the fifth program)
-    and ``commit`` takes it: the reference path for tests and tools."""
+    and ``commit`` takes it: the reference path for tests and tools.
+
+    ``make_cache``: builds the programs' cache from ``(buf, table, handles, pages, lengths, spec,
+    kernels)``: :class:`ArenaCache`, or a multi-device placement
+    (:class:`serving.parallel.Placement`, whose arena has one slice per device)."""
 
     def cache_of(buf, table, handles, pages, lengths):
-        return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
+        # every read before every write (ArenaCache.flush): no copy of the arena
+        return make_cache(buf, table, handles, pages, lengths, spec, kernels, defer=True)
 
     def verify(
         state, buf, table, handles, pages, lengths, tokens, parents, scratch=None, *, snapshot
@@ -224,23 +233,24 @@ def _arena_programs(
                 f"verify(snapshot={snapshot}): scratch handles must be int32 "
                 f"{'[B, N] snapshot' if snapshot else '[B] stash'} units, got {scratch.shape}"
             )
-        return logits, jnp.argmax(logits, -1), hidden, cache.write_tree_state(tree, scratch).buffer
+        written, (logits, hidden) = cache.write_tree_state(tree, scratch).flush(logits, hidden)
+        return logits, jnp.argmax(logits, -1), hidden, written.buffer
 
     def commit(buf, table, handles, pages, lengths, tree, path, path_len):
         cache = cache_of(buf, table, handles, pages, lengths)
         if not isinstance(tree, TreeState):  # the scratch handles: the tree is in the arena
             tree = cache.read_tree_state(tree, path, path_len, qk_l2norm=_TREE_QK_L2NORM)
-        return steps.commit(cache, tree, path, path_len, impl=commit_impl).buffer
+        return steps.commit(cache, tree, path, path_len, impl=commit_impl).flush().buffer
 
     def tree_logits(state, buf, table, handles, pages, lengths, tokens, parents):
         out = verify(state, buf, table, handles, pages, lengths, tokens, parents, snapshot=False)
         return out[0]
 
-    prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels))
+    prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels), make_cache)
     if kernels.decode:
-        decode = _arena_decode_program(graphdef, spec, kernels)
+        decode = _arena_decode_program(graphdef, spec, kernels, make_cache)
     if kernels.prefill:  # prefill's GDN layers by the in-place arena prefill kernel too
-        prefill = _arena_sequence_programs(graphdef, spec, kernels)[0]
+        prefill = _arena_sequence_programs(graphdef, spec, kernels, make_cache)[0]
     return (
         prefill,
         decode,
@@ -260,12 +270,14 @@ def _attention_only(kernels: ArenaKernels) -> ArenaKernels:
 
 
 @functools.cache
-def _arena_sequence_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS):
+def _arena_sequence_programs(
+    graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS, make_cache=ArenaCache
+):
     """Prefill and decode over the arena (``buf`` donated and returned): XLA windows, the
     attention layers by the in-place paged attention kernel when ``kernels.attention``."""
 
     def cache_of(buf, table, handles, pages, lengths):
-        return ArenaCache(buf, table, handles, pages, lengths, spec, kernels)
+        return make_cache(buf, table, handles, pages, lengths, spec, kernels)
 
     def prefill(state, buf, table, handles, pages, lengths, tokens, num_tokens):
         m = nnx.merge(graphdef, state)
@@ -279,11 +291,12 @@ def _arena_sequence_programs(graphdef, spec: ArenaSpec, kernels: ArenaKernels = 
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, cache.buffer
 
-    return jax.jit(prefill, donate_argnums=1), _arena_decode_program(graphdef, spec, kernels)
+    decode = _arena_decode_program(graphdef, spec, kernels, make_cache)
+    return jax.jit(prefill, donate_argnums=1), decode
 
 
 @functools.cache
-def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels):
+def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels, make_cache=ArenaCache):
     """Decode over the arena (``buf`` donated and returned): one token through
     :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run
     :func:`pallas_kernels.decode.arena.recurrent_step` on the states in place
@@ -295,7 +308,7 @@ def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels):
         logits, cache, hidden = steps.prefill(
             m,
             tokens[:, None],
-            ArenaCache(buf, table, handles, pages, lengths, spec, kernels),
+            make_cache(buf, table, handles, pages, lengths, spec, kernels),
             jnp.ones_like(lengths),
             return_hidden=True,
         )
@@ -356,19 +369,31 @@ class ArenaRunner:
     """
 
     def __init__(
-        self, model: HybridLM, manager: MemoryManager, *, kernels: str = "auto", draft: bool = False
+        self,
+        model: HybridLM,
+        manager: MemoryManager,
+        *,
+        kernels: str = "auto",
+        draft: bool = False,
+        placement=None,
     ):
         self.kind = "arena"
         self.model = model
         self.config = model.config
         self.manager = manager
         self.draft = draft
+        # on several devices (serving.parallel.Placement) the layout is one device's share
+        config = model.config if placement is None else placement.local_config(model.config)
         self.spec = ArenaSpec.from_layout(
-            manager.layout, model.embed_tokens[...].dtype, config=model.config, draft=draft
+            manager.layout, model.embed_tokens[...].dtype, config=config, draft=draft
         )
-        self.kernel_choice, self.kernel_notes = select_kernels(kernels, self.spec, model.config)
+        self.kernel_choice, self.kernel_notes = select_kernels(kernels, self.spec, config)
         self.kernels = self.kernel_choice.name  # "xla" or "pallas", as resolved
+        self.commit_impl = model_impl(kernels)
         graphdef, self._state = nnx.split(model)
+        self.graphdef = graphdef
+        # builds the step programs' cache (a serving.parallel.Placement on several devices)
+        self.make_cache = ArenaCache if placement is None else placement
         (
             self._prefill,
             self._decode,
@@ -381,6 +406,7 @@ class ArenaRunner:
             self.spec,
             self.kernel_choice,
             model_impl(kernels),
+            self.make_cache,
         )
         self._table = None
         self.table_uploads = 0

@@ -46,6 +46,10 @@ from gdn_jax.models.cache_protocol import StepCache
 from gdn_jax.models.config import LINEAR
 from gdn_jax.models.model import HybridLM
 
+# Appends of at most this many tokens per row (decode, a speculative step's catch-up) run the
+# token-by-token rule: the chunked form pads every row to a whole chunk (64 tokens).
+SHORT_SEQUENCE = 8
+
 
 def _sequence(
     model: HybridLM,
@@ -114,7 +118,7 @@ def prefill(
     if num_tokens is None:
         num_tokens = jnp.full((b,), t, jnp.int32)
     num_tokens = num_tokens.astype(jnp.int32)
-    hidden, cache = _sequence(model, tokens, cache, num_tokens, recurrent=False)
+    hidden, cache = _sequence(model, tokens, cache, num_tokens, recurrent=t <= SHORT_SEQUENCE)
     if not all_logits:
         hidden = jnp.take_along_axis(hidden, jnp.maximum(num_tokens - 1, 0)[:, None, None], axis=1)[
             :, 0

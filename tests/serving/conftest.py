@@ -80,3 +80,11 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
         p = (motif * 8)[: int(rng.integers(5, 40))]
         out.append(p)
     return out
+
+
+def host_speculation(llm):
+    """``llm`` with its speculative steps on the host's multi-program path (drafting, verify,
+    acceptance and commit as separate calls) instead of the one device program, for tests of
+    that path's runner calls."""
+    llm.engine.device_spec = None
+    return llm

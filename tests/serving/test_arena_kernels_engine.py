@@ -21,7 +21,7 @@ from serving import LLM, SamplingParams, SpecConfig
 from serving.arena_cache import ArenaCache
 from serving.kernels import select_kernels
 from serving.runner import ArenaRunner
-from tests.serving.conftest import ENGINE, VOCAB, prompts
+from tests.serving.conftest import ENGINE, VOCAB, host_speculation, prompts
 
 SPEC = SpecConfig(method="ngram", tree=(2, 2))  # N = 7 nodes, depth 2
 GEOM = dict(ENGINE, page_size=16, memory_budget=2 << 20)
@@ -90,20 +90,33 @@ def test_verify_commit_pallas_equals_xla(llms, target):
     mm.free(rows[1])
 
 
-def test_greedy_tree_speculation_same_tokens(llms):
+@pytest.mark.parametrize("path", ["device", "host"])
+def test_greedy_tree_speculation_same_tokens(llms, path):
+    """The kernels give the xla path's tokens, with speculation in one device program per step
+    and on the host's multi-program path."""
     ps, params = prompts(3, seed=3), SamplingParams(max_tokens=12)
     runner = llms["pallas"].runner
     assert runner.kernels == "pallas"
     verified = []
     compiled = runner._verify._cache_size()  # other modules' engines may share the program
     runner.verify = lambda *a, **k: verified.append(1) or type(runner).verify(runner, *a, **k)
+    saved = {k: llm.engine.device_spec for k, llm in llms.items()}
+    device_calls = saved["pallas"].calls
+    if path == "host":
+        for llm in llms.values():
+            host_speculation(llm)
     try:
         got = {k: [o.token_ids for o in llm.generate(ps, params)] for k, llm in llms.items()}
     finally:
         del runner.verify
+        for k, llm in llms.items():
+            llm.engine.device_spec = saved[k]
     assert got["pallas"] == got["xla"]
     assert all(len(t) == 12 for t in got["xla"])
-    assert len(verified) >= 3  # the tokens came from tree speculation on the kernels
+    if path == "device":  # the tokens came from tree speculation on the kernels
+        assert not verified and saved["pallas"].calls - device_calls >= 3
+        return
+    assert len(verified) >= 3
     # the engine's verify (scratch in the arena) compiles at most once for the whole run
     assert runner._verify._cache_size() - compiled <= 1
 

@@ -27,7 +27,7 @@ from serving.arena_cache import ArenaCache
 from serving.memory.arena import field_to_words
 from serving.memory.layout import WORD_BYTES
 from serving.runner import ArenaRunner
-from tests.serving.conftest import ENGINE, VOCAB, prompts, tiny_config
+from tests.serving.conftest import ENGINE, VOCAB, host_speculation, prompts, tiny_config
 from tests.serving.test_arena_kernels_engine import _primitives
 
 GEOM = dict(ENGINE, page_size=16, memory_budget=2 << 20)
@@ -47,7 +47,7 @@ def plain(target):
 @pytest.fixture(scope="module")
 def llms(target):
     return {
-        (v, k): LLM(target, speculative=SPECS[v], kernels=k, **GEOM)
+        (v, k): host_speculation(LLM(target, speculative=SPECS[v], kernels=k, **GEOM))
         for v in SPECS
         for k in ("xla", "pallas")
     }

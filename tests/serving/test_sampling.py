@@ -57,11 +57,13 @@ def _second_token_marginal(model, prompt, temperature):
     return first @ second
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram"])
-def test_speculative_sampling_matches_target_distribution(method, target):
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
+def test_speculative_sampling_matches_target_distribution(method, target, draft):
     prompt = [3, 9, 3, 9, 3, 9, 3]
     temperature, n = 1.5, 600
-    spec = SpecConfig(method=method, tree=(3, 2))
+    spec = SpecConfig(
+        method=method, tree=(3, 2), draft_model=draft if method == "draft_model" else None
+    )
     llm = LLM(target, speculative=spec, **ENGINE)
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=2, temperature=temperature))
     assert all(o.metrics["acceptance_lengths"] for o in outs)  # the 2nd token went through RRS

@@ -1,0 +1,431 @@
+"""Speculation on the device: draft, verify, accept and commit in one jitted program per step.
+
+A speculative step of :class:`serving.engine.Engine` with a static tree and the arena cache
+runs as one program (:class:`DeviceSpeculator`); the host sends each row's root token, handles
+and sampling parameters, and receives only the emitted tokens ``[B, depth + 1]`` and their
+counts (and, for the MTP drafter, the next step's hidden state). Inside the program:
+
+1. **Draft** (static tree ``(b_1, ..., b_D)``, level-ordered: the children of node ``j`` of
+   depth ``d`` are contiguous, in order): level ``d`` runs the drafter on the nodes of depth
+   ``<= d`` (the draft model's tree verify over the partial tree, its cache only read) or on
+   the frontier alone (the MTP head, from each parent's hidden state), and picks each frontier
+   node's ``b_{d+1}`` children: the most likely tokens (greedy rows) or ``b_{d+1}`` draws
+   without replacement from ``q = softmax(logits / T)`` (Gumbel top-k; sampled rows). With
+   the n-gram drafter the host builds the tree (:class:`serving.spec_trees.TreeBuilder`) and
+   the program starts at 2.
+2. **Verify** the whole tree with the target (tree WY or per-node snapshots), writing the tree
+   state into the rows' scratch units exactly as the two-program path does.
+3. **Accept** on the device: greedy rows follow the target's argmax; sampled rows run
+   recursive rejection sampling over siblings (:mod:`serving.acceptance`; fixed proposals for
+   n-gram trees) with the target distribution under each row's temperature, top-k and top-p.
+   Random draws come from ``jax.random`` keys of ``(seed, request index, output position)``.
+4. **Commit** the accepted path (GDN states and conv windows, the accepted nodes' K/V, lengths)
+   and catch the draft model's cache up on the accepted tokens.
+
+Every read of the arena by the verify precedes every write (:meth:`ArenaCache.flush`), so the
+arena, donated, is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn_jax.models import steps
+from serving.arena_cache import ArenaCache
+from serving.arena_spec import ArenaSpec
+from serving.kernels import ArenaKernels
+
+# the offsets of the random streams of a step (folded into each row's key)
+_DRAFT_STREAM = 1 << 16
+_FINAL_DRAW = 63
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTree:
+    """A static tree ``widths = (b_1, ..., b_D)`` in level order."""
+
+    widths: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @functools.cached_property
+    def level_offsets(self) -> tuple[int, ...]:
+        """``off[d]``: the first node of depth ``d``; ``off[D + 1]`` is the node count."""
+        off, count = [0, 1], 1
+        for w in self.widths:
+            count *= w
+            off.append(off[-1] + count)
+        return tuple(off)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.level_offsets[-1]
+
+    @functools.cached_property
+    def parents(self) -> np.ndarray:
+        off, par = self.level_offsets, [-1]
+        for d, w in enumerate(self.widths):
+            for j in range(off[d + 1] - off[d]):
+                par += [off[d] + j] * w
+        return np.asarray(par, np.int32)
+
+
+def target_probs(logits, temperature, top_k, top_p):
+    """``softmax(logits / T)`` restricted to the ``top_k`` most likely tokens and the smallest
+    set of mass ``>= top_p``, renormalised (:func:`serving.acceptance.target_probs` on the
+    device): ``logits [B, V]``, per-row ``temperature, top_k, top_p [B]`` (``T = 0``: treated
+    as 1; greedy rows do not use the result)."""
+    v = logits.shape[-1]
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    p = jax.nn.softmax(logits.astype(jnp.float32) / t, axis=-1)
+    order = jnp.argsort(-p, axis=-1, stable=True)
+    sp = jnp.take_along_axis(p, order, axis=-1)
+    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+    kth = jnp.take_along_axis(sp, (k - 1)[:, None], axis=-1)
+    keep_k = p >= kth
+    sp = jnp.where(sp >= kth, sp, 0.0)  # top-p over what top-k kept
+    before = jnp.cumsum(sp, axis=-1) - sp
+    keep_sorted = before < top_p[:, None] * jnp.sum(sp, axis=-1, keepdims=True)
+    inverse = jnp.argsort(order, axis=-1)
+    keep_p = jnp.take_along_axis(keep_sorted, inverse, axis=-1) | (top_p[:, None] >= 1.0)
+    p = jnp.where(keep_k & keep_p, p, 0.0)
+    return p / jnp.sum(p, axis=-1, keepdims=True)
+
+
+def row_keys(seeds):
+    """One key per row from ``seeds uint32 [B, 3]`` = ``(seed, request index, position)``."""
+
+    def one(s):
+        key = jax.random.key(s[0])
+        return jax.random.fold_in(jax.random.fold_in(key, s[1]), s[2])
+
+    return jax.vmap(one)(seeds)
+
+
+def _fold(keys, stream: int):
+    return jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+
+
+def pick_children(logits, width: int, temperature, keys):
+    """``width`` distinct children per frontier node from ``logits [B, F, V]``: the most likely
+    tokens for greedy rows (``temperature == 0``), Gumbel top-k draws from ``softmax(logits /
+    T)`` otherwise. Returns ``int32 [B, F, width]``."""
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
+    logq = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys)
+    score = jnp.where((temperature > 0)[:, None, None], logq + gumbel, logq)
+    return jax.lax.top_k(score, width)[1].astype(jnp.int32)
+
+
+def accept(
+    tokens,
+    parents,
+    target_logits,
+    draft_logits,
+    *,
+    depth: int,
+    width: int,
+    temperature,
+    top_k,
+    top_p,
+    keys,
+):
+    """The accepted path and the next token of each row (:mod:`serving.acceptance` on the
+    device).
+
+    ``tokens, parents int32 [B, N]`` (padding nodes: parent ``-2``), ``target_logits [B, N,
+    V]``, ``draft_logits [B, N, V]`` (each node's children were drawn from ``softmax(
+    draft_logits[node] / T)``) or ``None`` (fixed proposals, e.g. n-gram); ``width``: most
+    children of a node. Greedy rows follow the target's argmax; sampled rows run recursive
+    rejection sampling over siblings. Returns ``(path int32 [B, depth + 1]`` (node ids,
+    ``-1`` past the length), ``path_len int32 [B]``, ``next int32 [B])``."""
+    b = tokens.shape[0]
+    rows = jnp.arange(b)
+    greedy = temperature <= 0
+    argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    node = jnp.zeros(b, jnp.int32)
+    live = jnp.ones(b, bool)
+    path = jnp.full((b, depth + 1), -1, jnp.int32).at[:, 0].set(0)
+    path_len = jnp.ones(b, jnp.int32)
+    nxt = jnp.zeros(b, jnp.int32)
+    for d in range(depth + 1):
+        is_child = parents == node[:, None]  # [B, N]
+        rank = jnp.cumsum(is_child, axis=1)
+        # greedy: the child whose token is the argmax
+        want = argmax[rows, node]
+        match = is_child & (tokens == want[:, None])
+        g_found = jnp.any(match, axis=1)
+        g_child = jnp.argmax(match, axis=1).astype(jnp.int32)
+        # sampled: recursive rejection sampling over the siblings, in node order
+        p = target_probs(target_logits[rows, node], temperature, top_k, top_p)
+        v = p.shape[-1]
+        if draft_logits is not None:
+            t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+            q_full = jax.nn.softmax(draft_logits[rows, node].astype(jnp.float32) / t, axis=-1)
+        removed = jnp.zeros((b, v), bool)
+        s_found = jnp.zeros(b, bool)
+        s_child = jnp.zeros(b, jnp.int32)
+        for i in range(width):
+            sel = is_child & (rank == i + 1)
+            exists = jnp.any(sel, axis=1) & ~s_found
+            c = jnp.argmax(sel, axis=1).astype(jnp.int32)
+            x = tokens[rows, c]
+            onehot = jax.nn.one_hot(x, v, dtype=jnp.float32)
+            if draft_logits is None:
+                q = onehot
+            else:
+                q = jnp.where(removed, 0.0, q_full)
+                q = q / jnp.maximum(jnp.sum(q, axis=-1, keepdims=True), 1e-30)
+            px, qx = p[rows, x], q[rows, x]
+            u = jax.vmap(lambda k, s=d * 64 + i: jax.random.uniform(jax.random.fold_in(k, s)))(keys)
+            ok = exists & (qx > 0) & (u < jnp.minimum(1.0, px / jnp.maximum(qx, 1e-30)))
+            s_child = jnp.where(ok, c, s_child)
+            s_found = s_found | ok
+            rejected = exists & ~ok
+            residual = jnp.maximum(p - q, 0.0)
+            total = jnp.sum(residual, axis=-1, keepdims=True)
+            p_next = jnp.where(total > 0, residual / jnp.maximum(total, 1e-30), p)
+            p = jnp.where(rejected[:, None], p_next, p)
+            removed = removed | (rejected[:, None] & (onehot > 0))
+        final = jax.vmap(
+            lambda k, pr, s=d * 64 + _FINAL_DRAW: jax.random.categorical(
+                jax.random.fold_in(k, s), jnp.log(pr)
+            )
+        )(keys, p).astype(jnp.int32)
+        found = jnp.where(greedy, g_found, s_found)
+        child = jnp.where(greedy, g_child, s_child)
+        stop = live & ~found
+        nxt = jnp.where(stop, jnp.where(greedy, want, final), nxt)
+        go = live & found
+        if d < depth:
+            path = path.at[:, d + 1].set(jnp.where(go, child, -1))
+        path_len = path_len + go.astype(jnp.int32)
+        node = jnp.where(go, child, node)
+        live = go
+    return path, path_len, nxt
+
+
+def emitted(tokens, path, path_len, nxt):
+    """The tokens a step emits, ``int32 [B, depth + 1]``: the accepted nodes' tokens after the
+    root, then the next token; ``-1`` past ``path_len``."""
+    d1 = path.shape[1]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    shifted = jnp.concatenate([path[:, 1:], jnp.full_like(path[:, :1], -1)], axis=1)
+    accepted = tokens[rows, jnp.maximum(shifted, 0)]
+    j = jnp.arange(d1)[None, :]
+    out = jnp.where(j < (path_len - 1)[:, None], accepted, -1)
+    return jnp.where(j == (path_len - 1)[:, None], nxt[:, None], out).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+    """What one device speculation program depends on besides its array inputs."""
+
+    target: object  # the target's graphdef
+    target_spec: ArenaSpec
+    target_kernels: ArenaKernels
+    commit_impl: str
+    drafter: str  # "draft_model" | "mtp" | "ngram"
+    draft: object  # the draft model's graphdef (draft_model) or None
+    draft_spec: ArenaSpec | None
+    draft_kernels: ArenaKernels | None
+    tree: StaticTree | None  # None: the host's trees (n-gram)
+    width: int
+    depth: int
+    snapshot: bool
+
+
+@functools.cache
+def _program(key: ProgramKey):
+    tree = key.tree
+
+    def target_cache(buf, table, handles, pages, lengths, *, defer):
+        return ArenaCache(
+            buf, table, handles, pages, lengths, key.target_spec, key.target_kernels, defer=defer
+        )
+
+    def draft_cache(buf, table, handles, pages, lengths):
+        return ArenaCache(buf, table, handles, pages, lengths, key.draft_spec, key.draft_kernels)
+
+    def draft_tree(tstate, dstate, buf, table, handles, pages, lengths, root, hidden, temp, keys):
+        """``(tokens [B, N], parents [B, N], draft logits [B, N, V])`` of the static tree."""
+        b = root.shape[0]
+        off = tree.level_offsets
+        parents = jnp.asarray(tree.parents)
+        tokens = jnp.zeros((b, tree.num_nodes), jnp.int32).at[:, 0].set(root)
+        chunks = []
+        if key.drafter == "draft_model":
+            dm = nnx.merge(key.draft, dstate)
+            cache = draft_cache(buf, table, handles, pages, lengths)
+        else:
+            tm = nnx.merge(key.target, tstate)
+            node_hidden = hidden[:, None]  # [B, F, H]: the frontier's inputs
+        for d, w in enumerate(tree.widths):
+            lo, hi = off[d], off[d + 1]
+            if key.drafter == "draft_model":
+                logits = steps.verify_tree(dm, tokens[:, :hi], parents[:hi], cache)[0]
+                front = logits[:, lo:hi]
+            else:  # the MTP head on each frontier node alone (a one-token sequence)
+                f = hi - lo
+                x = tm.embed(tokens[:, lo:hi].reshape(b * f, 1))
+                h = tm.mtp(x, node_hidden.reshape(b * f, 1, -1)).reshape(b, f, -1)
+                front = tm.logits(h)
+                node_hidden = jnp.repeat(h, w, axis=1)
+            front = front.astype(jnp.float32)
+            chunks.append(front)
+            picks = pick_children(front, w, temp, _fold(keys, _DRAFT_STREAM + d))
+            tokens = tokens.at[:, off[d + 1] : off[d + 2]].set(picks.reshape(b, -1))
+        v = chunks[0].shape[-1]
+        leaves = jnp.zeros((b, tree.num_nodes - off[-2], v), jnp.float32)
+        draft_logits = jnp.concatenate([*chunks, leaves], axis=1)
+        return tokens, jnp.broadcast_to(parents, (b, tree.num_nodes)), draft_logits
+
+    def step(
+        tstate,
+        dstate,
+        buf,
+        table,
+        handles,
+        pages,
+        lengths,
+        root,
+        tokens,
+        parents,
+        hidden,
+        scratch,
+        seeds,
+        temp,
+        top_k,
+        top_p,
+    ):
+        keys = row_keys(seeds)
+        if tree is not None:
+            tokens, parents, draft_logits = draft_tree(
+                tstate, dstate, buf, table, handles, pages, lengths, root, hidden, temp, keys
+            )
+        else:
+            draft_logits = None
+        tm = nnx.merge(key.target, tstate)
+        cache = target_cache(buf, table, handles, pages, lengths, defer=True)
+        logits, tstate_tree, hid = steps.verify_tree(
+            tm, tokens, parents, cache, return_hidden=True, snapshot=key.snapshot
+        )
+        logits = logits.astype(jnp.float32)
+        cache, (logits, hid) = cache.write_tree_state(tstate_tree, scratch).flush(logits, hid)
+        path, path_len, nxt = accept(
+            tokens,
+            parents,
+            logits,
+            draft_logits,
+            depth=key.depth,
+            width=key.width,
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            keys=keys,
+        )
+        # commit from the scratch units, as the two-program path does
+        cache = target_cache(cache.buffer, table, handles, pages, lengths, defer=True)
+        tree_state = cache.read_tree_state(scratch, path, path_len, qk_l2norm=True)
+        cache = steps.commit(cache, tree_state, path, path_len, impl=key.commit_impl).flush()
+        buf = cache.buffer
+        if key.drafter == "draft_model":
+            dm = nnx.merge(key.draft, dstate)
+            rows = jnp.arange(tokens.shape[0])[:, None]
+            chunk = jnp.where(path >= 0, tokens[rows, jnp.maximum(path, 0)], 0)
+            _, dcache = steps.prefill(
+                dm, chunk, draft_cache(buf, table, handles, pages, lengths), path_len
+            )
+            buf = dcache.buffer
+        last = jnp.take_along_axis(path, (path_len - 1)[:, None], axis=1)[:, 0]
+        hidden_next = hid[jnp.arange(hid.shape[0]), last]
+        return emitted(tokens, path, path_len, nxt), path_len, hidden_next, buf
+
+    return jax.jit(step, donate_argnums=2)
+
+
+class DeviceSpeculator:
+    """One jitted program per speculative step (module docstring) over the target's
+    :class:`serving.runner.ArenaRunner` (and the draft model's arena runner, or the target's
+    MTP head, or host-built n-gram trees)."""
+
+    def __init__(self, runner, spec, *, drafter: str, draft_runner=None):
+        tree = None if drafter == "ngram" else StaticTree(tuple(spec.tree))
+        self.runner = runner
+        self.draft_runner = draft_runner
+        self.drafter = drafter
+        self.key = ProgramKey(
+            target=runner.graphdef,
+            target_spec=runner.spec,
+            target_kernels=runner.kernel_choice,
+            commit_impl=runner.commit_impl,
+            drafter=drafter,
+            draft=draft_runner.graphdef if draft_runner is not None else None,
+            draft_spec=draft_runner.spec if draft_runner is not None else None,
+            draft_kernels=draft_runner.kernel_choice if draft_runner is not None else None,
+            tree=tree,
+            width=max(spec.tree),
+            depth=len(spec.tree),
+            snapshot=spec.verify == "snapshot",
+        )
+        self._step = _program(self.key)
+        self.num_nodes = spec.num_nodes
+        self.calls = 0
+
+    def compiled(self) -> int:
+        return self._step._cache_size()
+
+    def __call__(
+        self,
+        handles,
+        pages,
+        lengths,
+        root,
+        scratch,
+        seeds,
+        temp,
+        top_k,
+        top_p,
+        *,
+        hidden=None,
+        tokens=None,
+        parents=None,
+    ):
+        """One step: returns device arrays ``(emitted int32 [B, depth + 1], counts int32 [B],
+        hidden [B, H])`` (the arena updated in place)."""
+        r = self.runner
+        b = root.shape[0]
+        if tokens is None:
+            tokens = np.zeros((b, self.num_nodes), np.int32)
+            parents = np.zeros((b, self.num_nodes), np.int32)
+        if hidden is None:
+            hidden = np.zeros((b, r.config.hidden_size), np.float32)
+        dstate = self.draft_runner._state if self.draft_runner is not None else None
+        self.calls += 1
+        out, counts, hid, r._buf = self._step(
+            r._state,
+            dstate,
+            r._buf,
+            r.table(),
+            handles,
+            pages,
+            lengths,
+            root,
+            tokens,
+            parents,
+            hidden,
+            scratch,
+            seeds,
+            temp,
+            top_k,
+            top_p,
+        )
+        return out, counts, hid

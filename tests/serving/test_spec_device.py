@@ -1,0 +1,214 @@
+"""Speculation on the device (:mod:`serving.spec_device`): one program per speculative step,
+acceptance equal to the host's (greedy) and lossless (sampling), the static tree laid out as the
+host's builder lays it out, and the target distribution under top-k / top-p equal to the
+host's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from serving import LLM, SamplingParams, SpecConfig
+from serving import acceptance as host
+from serving.spec_device import StaticTree, accept, pick_children, row_keys, target_probs
+from serving.spec_trees import TreeBuilder
+from tests.serving.conftest import ENGINE, prompts
+
+ALPHA = 1e-3
+
+
+def _builder_layout(widths):
+    tb = TreeBuilder(7, SpecConfig(method="ngram", tree=widths), None)
+    rng = np.random.default_rng(0)
+    level = 0
+    while nodes := tb.frontier(level):
+        for n in nodes:
+            tb.expand(n, rng.dirichlet(np.ones(50)))
+        level += 1
+    tb.finish()
+    return np.asarray(tb.parents, np.int32)
+
+
+@pytest.mark.parametrize("widths", [(4, 2, 2), (1, 1, 1, 1), (3, 1, 2), (5,)])
+def test_static_tree_is_the_host_builders_layout(widths):
+    tree = StaticTree(widths)
+    np.testing.assert_array_equal(tree.parents, _builder_layout(widths))
+    assert tree.num_nodes == SpecConfig(tree=widths).num_nodes
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    top_k=st.integers(0, 12),
+    top_p=st.sampled_from([1.0, 0.95, 0.6, 0.2]),
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+)
+def test_target_probs_matches_host(seed, top_k, top_p, temperature):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(3, 40)).astype(np.float32) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = target_probs(
+        jnp.asarray(logits),
+        jnp.full(3, temperature, jnp.float32),
+        jnp.full(3, top_k, jnp.int32),
+        jnp.full(3, top_p, jnp.float32),
+    )
+    want = host.target_probs(logits, params)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+
+
+def _random_tree(rng, n, width, vocab):
+    """A random level-free tree (parents before children, at most ``width`` children per
+    node, distinct sibling tokens) padded to ``n`` nodes with parent ``-2``."""
+    size = int(rng.integers(1, n + 1))
+    parents, tokens, kids = [-1], [int(rng.integers(vocab))], {0: set()}
+    for i in range(1, size):
+        options = [p for p in range(i) if len(kids[p]) < width]
+        p = int(rng.choice(options))
+        free = [t for t in range(vocab) if t not in kids[p]]
+        t = int(rng.choice(free))
+        kids[p].add(t)
+        kids[i] = set()
+        parents.append(p)
+        tokens.append(t)
+    pad = n - size
+    return np.array(tokens + [0] * pad, np.int32), np.array(parents + [-2] * pad, np.int32)
+
+
+def _host_tree(tokens, parents):
+    tb = TreeBuilder(int(tokens[0]), SpecConfig(method="ngram", tree=(1,)), None)
+    live = parents != -2
+    tb.tokens = [int(t) for t in tokens[live]]
+    tb.parents = [int(p) for p in parents[live]]
+    return tb
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_greedy_acceptance_matches_host(seed):
+    rng = np.random.default_rng(seed)
+    b, n, vocab, width, depth = 4, 12, 5, 3, 11
+    trees = [_random_tree(rng, n, width, vocab) for _ in range(b)]
+    tokens = np.stack([t for t, _ in trees])
+    parents = np.stack([p for _, p in trees])
+    logits = rng.normal(size=(b, n, vocab)).astype(np.float32)
+    # make the argmax follow the tree often: bump the logit of a random child's token
+    for i in range(b):
+        for node in range(n):
+            kids = np.nonzero(parents[i] == node)[0]
+            if kids.size and rng.random() < 0.7:
+                logits[i, node, tokens[i, rng.choice(kids)]] += 5.0
+    zeros = jnp.zeros(b, jnp.float32)
+    path, path_len, nxt = accept(
+        jnp.asarray(tokens),
+        jnp.asarray(parents),
+        jnp.asarray(logits),
+        None,
+        depth=depth,
+        width=width,
+        temperature=zeros,
+        top_k=jnp.zeros(b, jnp.int32),
+        top_p=jnp.ones(b, jnp.float32),
+        keys=row_keys(jnp.zeros((b, 3), jnp.uint32)),
+    )
+    path, path_len, nxt = np.asarray(path), np.asarray(path_len), np.asarray(nxt)
+    for i in range(b):
+        want_path, want_next = host.greedy_accept(
+            _host_tree(tokens[i], parents[i]), logits[i].argmax(-1)
+        )
+        assert path[i, : path_len[i]].tolist() == want_path
+        assert (path[i, path_len[i] :] == -1).all()
+        assert nxt[i] == want_next
+
+
+@pytest.mark.parametrize("proposals", [False, True])
+def test_device_rejection_sampling_is_lossless(proposals):
+    """One level of ``k`` siblings drawn on the device (Gumbel top-k from ``q``, or fixed
+    proposals), accepted on the device: the emitted token is distributed as ``p``, over many
+    rows of one call."""
+    vocab, k, rows = 6, 3, 12000
+    gen = np.random.default_rng(5)
+    p_logits = np.log(gen.dirichlet(np.ones(vocab)))
+    q_logits = np.log(gen.dirichlet(np.ones(vocab)))
+    temp = jnp.ones(rows, jnp.float32)
+    seeds = np.stack([np.arange(rows), np.full(rows, 3), np.zeros(rows)], 1).astype(np.uint32)
+    keys = row_keys(jnp.asarray(seeds))
+    q = jnp.broadcast_to(jnp.asarray(q_logits, jnp.float32), (rows, 1, vocab))
+    if proposals:
+        fixed = gen.choice(vocab, k, replace=False)
+        kids = jnp.broadcast_to(jnp.asarray(fixed, jnp.int32), (rows, k))
+        draft_logits = None
+    else:
+        kids = pick_children(q, k, temp, jax.vmap(lambda kk: jax.random.fold_in(kk, 9))(keys))
+        kids = kids[:, 0]
+        draft_logits = jnp.concatenate([q, jnp.zeros((rows, k, vocab), jnp.float32)], axis=1)
+    tokens = jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), kids], axis=1)
+    parents = jnp.broadcast_to(jnp.asarray([-1] + [0] * k, jnp.int32), (rows, k + 1))
+    target_logits = jnp.broadcast_to(jnp.asarray(p_logits, jnp.float32), (rows, k + 1, vocab))
+    path, path_len, nxt = accept(
+        tokens,
+        parents,
+        target_logits,
+        draft_logits,
+        depth=1,
+        width=k,
+        temperature=temp,
+        top_k=jnp.zeros(rows, jnp.int32),
+        top_p=jnp.ones(rows, jnp.float32),
+        keys=keys,
+    )
+    path, path_len, nxt, tokens = map(np.asarray, (path, path_len, nxt, tokens))
+    first = np.where(path_len > 1, tokens[np.arange(rows), np.maximum(path[:, 1], 0)], nxt)
+    counts = np.bincount(first, minlength=vocab)
+    assert 0.05 < (path_len > 1).mean() < 1.0  # both branches of the test run
+    assert stats.chisquare(counts, rows * np.exp(p_logits)).pvalue > ALPHA
+
+
+def test_one_device_program_per_speculative_step(target, draft):
+    llm = LLM(
+        target,
+        speculative=SpecConfig(method="draft_model", draft_model=draft, tree=(2, 2)),
+        **ENGINE,
+    )
+    engine = llm.engine
+    assert engine.device_spec is not None
+    calls = []
+    for obj, names in (
+        (engine.runner, ("prefill", "decode", "verify", "commit", "tree_logits")),
+        (engine.draft_runner, ("prefill", "tree_logits")),
+    ):
+        for name in names:
+            fn = getattr(obj, name)
+
+            def counted(*a, _fn=fn, _name=name, **k):
+                calls.append(_name)
+                return _fn(*a, **k)
+
+            setattr(obj, name, counted)
+    outs = llm.generate(prompts(3), SamplingParams(max_tokens=12))
+    steps = sum(len(o.metrics["acceptance_lengths"]) for o in outs)
+    assert steps > 0
+    # prefill alone goes through the runners (target and draft); every speculative step is
+    # the one device program
+    assert set(calls) <= {"prefill"}
+    assert engine.device_spec.calls >= max(len(o.metrics["acceptance_lengths"]) for o in outs)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "mtp", "ngram"])
+def test_device_and_host_paths_give_the_same_greedy_tokens(method, target, draft):
+    spec = SpecConfig(method=method, draft_model=draft if method == "draft_model" else None)
+    ps, params = prompts(3), SamplingParams(max_tokens=16)
+    on_device = LLM(target, speculative=spec, **ENGINE)
+    on_host = LLM(target, speculative=spec, **ENGINE)
+    on_host.engine.device_spec = None
+    a = on_device.generate(ps, params)
+    b = on_host.generate(ps, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.metrics["acceptance_lengths"] for o in a] == [
+        o.metrics["acceptance_lengths"] for o in b
+    ]
