@@ -114,10 +114,12 @@ def _fold(keys, stream: int):
     return jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
 
 
-def pick_children(logits, width: int, temperature, keys):
+def pick_children(logits, width: int, temperature, keys, *, sampling: bool = True):
     """``width`` distinct children per frontier node from ``logits [B, F, V]``: the most likely
     tokens for greedy rows (``temperature == 0``), Gumbel top-k draws from ``softmax(logits /
-    T)`` otherwise. Returns ``int32 [B, F, width]``."""
+    T)`` otherwise (``sampling=False``: every row is greedy). Returns ``int32 [B, F, width]``."""
+    if not sampling:
+        return jax.lax.top_k(logits, width)[1].astype(jnp.int32)
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
     logq = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys)
@@ -137,6 +139,7 @@ def accept(
     top_k,
     top_p,
     keys,
+    sampling: bool = True,
 ):
     """The accepted path and the next token of each row (:mod:`serving.acceptance` on the
     device).
@@ -145,7 +148,8 @@ def accept(
     V]``, ``draft_logits [B, N, V]`` (each node's children were drawn from ``softmax(
     draft_logits[node] / T)``) or ``None`` (fixed proposals, e.g. n-gram); ``width``: most
     children of a node. Greedy rows follow the target's argmax; sampled rows run recursive
-    rejection sampling over siblings. Returns ``(path int32 [B, depth + 1]`` (node ids,
+    rejection sampling over siblings (``sampling=False``: every row is greedy, and the
+    program holds no sampling at all). Returns ``(path int32 [B, depth + 1]`` (node ids,
     ``-1`` past the length), ``path_len int32 [B]``, ``next int32 [B])``."""
     b = tokens.shape[0]
     rows = jnp.arange(b)
@@ -164,6 +168,16 @@ def accept(
         match = is_child & (tokens == want[:, None])
         g_found = jnp.any(match, axis=1)
         g_child = jnp.argmax(match, axis=1).astype(jnp.int32)
+        if not sampling:
+            stop = live & ~g_found
+            nxt = jnp.where(stop, want, nxt)
+            go = live & g_found
+            if d < depth:
+                path = path.at[:, d + 1].set(jnp.where(go, g_child, -1))
+            path_len = path_len + go.astype(jnp.int32)
+            node = jnp.where(go, g_child, node)
+            live = go
+            continue
         # sampled: recursive rejection sampling over the siblings, in node order
         p = target_probs(target_logits[rows, node], temperature, top_k, top_p)
         v = p.shape[-1]
@@ -241,6 +255,7 @@ class ProgramKey:
     width: int
     depth: int
     snapshot: bool
+    sampling: bool  # False: every row of the batch is greedy
 
 
 @functools.cache
@@ -281,7 +296,9 @@ def _program(key: ProgramKey):
                 node_hidden = jnp.repeat(h, w, axis=1)
             front = front.astype(jnp.float32)
             chunks.append(front)
-            picks = pick_children(front, w, temp, _fold(keys, _DRAFT_STREAM + d))
+            picks = pick_children(
+                front, w, temp, _fold(keys, _DRAFT_STREAM + d), sampling=key.sampling
+            )
             tokens = tokens.at[:, off[d + 1] : off[d + 2]].set(picks.reshape(b, -1))
         v = chunks[0].shape[-1]
         leaves = jnp.zeros((b, tree.num_nodes - off[-2], v), jnp.float32)
@@ -331,6 +348,7 @@ def _program(key: ProgramKey):
             top_k=top_k,
             top_p=top_p,
             keys=keys,
+            sampling=key.sampling,
         )
         # commit from the scratch units, as the two-program path does
         cache = target_cache(cache.buffer, table, handles, pages, lengths, defer=True)
@@ -375,13 +393,15 @@ class DeviceSpeculator:
             width=max(spec.tree),
             depth=len(spec.tree),
             snapshot=spec.verify == "snapshot",
+            sampling=True,
         )
-        self._step = _program(self.key)
         self.num_nodes = spec.num_nodes
         self.calls = 0
 
     def compiled(self) -> int:
-        return self._step._cache_size()
+        return sum(
+            _program(dataclasses.replace(self.key, sampling=s))._cache_size() for s in (False, True)
+        )
 
     def __call__(
         self,
@@ -410,7 +430,8 @@ class DeviceSpeculator:
             hidden = np.zeros((b, r.config.hidden_size), np.float32)
         dstate = self.draft_runner._state if self.draft_runner is not None else None
         self.calls += 1
-        out, counts, hid, r._buf = self._step(
+        program = _program(dataclasses.replace(self.key, sampling=bool(np.any(temp > 0))))
+        out, counts, hid, r._buf = program(
             r._state,
             dstate,
             r._buf,
