@@ -306,9 +306,9 @@ class Engine:
 
 def _device_speculator(runner, spec: SpecConfig, drafter, draft_runner):
     """The one-program speculative step for this engine, or ``None`` where the host's
-    multi-program path runs: dynamic (budget) trees, the pooled cache, a draft model that
+    multi-program path runs: the pooled cache, a multi-device placement, a draft model that
     keeps its own pools."""
-    if spec.tree is None or runner.kind != "arena" or runner.make_cache is not ArenaCache:
+    if runner.kind != "arena" or runner.make_cache is not ArenaCache:
         return None
     if isinstance(drafter, ModelDrafter):
         if draft_runner is None or draft_runner.kind != "arena":

@@ -78,6 +78,39 @@ class StaticTree:
         return np.asarray(par, np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class BudgetTree:
+    """A dynamic tree of at most ``budget`` nodes (:class:`serving.spec_trees.TreeBuilder`'s
+    rule, on the device): at each depth the ``branch`` frontier nodes of highest cumulative
+    draft log-probability get ``branch`` children each; greedy rows keep the ``budget`` nodes
+    of highest cumulative probability after every level, sampled rows stop adding nodes at
+    ``budget``. Candidates live in fixed slots: the root, then ``branch * branch`` per depth
+    (frontier rank ``j``, child ``c`` at ``1 + d * branch**2 + j * branch + c``), so slot order
+    is the builder's insertion order."""
+
+    budget: int
+    depth: int
+    branch: int
+
+    @property
+    def slots(self) -> int:
+        return 1 + self.depth * self.branch**2
+
+    @functools.cached_property
+    def slot_depth(self) -> np.ndarray:
+        return np.asarray([0] + [1 + i // self.branch**2 for i in range(self.slots - 1)])
+
+
+def _compact(alive, values, n: int, fill):
+    """The alive slots' ``values [B, C, ...]`` in slot order, packed into ``n`` rows (the rest
+    ``fill``), and each slot's packed index (``n`` where dead)."""
+    index = jnp.where(alive, jnp.cumsum(alive, axis=1) - 1, n)
+    b = alive.shape[0]
+    out = jnp.full((b, n + 1, *values.shape[2:]), fill, values.dtype)
+    out = out.at[jnp.arange(b)[:, None], index].set(values)
+    return out[:, :n], index
+
+
 def target_probs(logits, temperature, top_k, top_p):
     """``softmax(logits / T)`` restricted to the ``top_k`` most likely tokens and the smallest
     set of mass ``>= top_p``, renormalised (:func:`serving.acceptance.target_probs` on the
@@ -251,7 +284,7 @@ class ProgramKey:
     draft: object  # the draft model's graphdef (draft_model) or None
     draft_spec: ArenaSpec | None
     draft_kernels: ArenaKernels | None
-    tree: StaticTree | None  # None: the host's trees (n-gram)
+    tree: StaticTree | BudgetTree | None  # None: the host's trees (n-gram)
     width: int
     depth: int
     snapshot: bool
@@ -305,6 +338,85 @@ def _program(key: ProgramKey):
         draft_logits = jnp.concatenate([*chunks, leaves], axis=1)
         return tokens, jnp.broadcast_to(parents, (b, tree.num_nodes)), draft_logits
 
+    def draft_budget(tstate, dstate, buf, table, handles, pages, lengths, root, hidden, temp, keys):
+        """``(tokens [B, N], parents [B, N], draft logits [B, N, V])`` of the dynamic tree
+        (:class:`BudgetTree`), ``N = budget``."""
+        bt = tree
+        b, c, br, n = root.shape[0], bt.slots, bt.branch, bt.budget
+        rows = jnp.arange(b)[:, None]
+        depth = jnp.asarray(bt.slot_depth)[None, :]
+        sampled = temp > 0
+        tokens = jnp.zeros((b, c), jnp.int32).at[:, 0].set(root)
+        parents = jnp.full((b, c), -1, jnp.int32)  # slot ids
+        logp = jnp.zeros((b, c), jnp.float32)
+        alive = jnp.zeros((b, c), bool).at[:, 0].set(True)
+        qlogits = None
+        if key.drafter == "draft_model":
+            dm = nnx.merge(key.draft, dstate)
+            cache = draft_cache(buf, table, handles, pages, lengths)
+        else:
+            tm = nnx.merge(key.target, tstate)
+            slot_hidden = jnp.zeros((b, c, hidden.shape[-1]), hidden.dtype).at[:, 0].set(hidden)
+
+        def prune(alive):
+            # greedy rows: the budget nodes of highest cumulative probability (ties: lower
+            # depth, then insertion order = slot order)
+            order = jnp.argsort(jnp.where(alive, -logp, jnp.inf), axis=1, stable=True)
+            rank = jnp.argsort(order, axis=1, stable=True)
+            return jnp.where(sampled[:, None], alive, alive & (rank < n))
+
+        for d in range(bt.depth):
+            alive = prune(alive)
+            at_d = alive & (depth == d)
+            score = jnp.where(at_d, logp, -jnp.inf)
+            top, front = jax.lax.top_k(score, br)  # [B, br]: frontier slots by rank
+            front_ok = jnp.isfinite(top)
+            if key.drafter == "draft_model":
+                toks_c, index = _compact(alive, tokens, n, 0)
+                par_slot = jnp.where(parents >= 0, parents, 0)
+                par_c = jnp.where(parents >= 0, index[rows, par_slot], -1)
+                par_c, _ = _compact(alive, par_c, n, -2)
+                logits = steps.verify_tree(dm, toks_c, par_c, cache)[0]
+                front_logits = logits[rows, jnp.minimum(index[rows, front], n - 1)]
+            else:  # the MTP head on each frontier node alone
+                x = tm.embed(tokens[rows, front].reshape(b * br, 1))
+                hin = slot_hidden[rows, front].reshape(b * br, 1, -1)
+                h = tm.mtp(x, hin).reshape(b, br, -1)
+                front_logits = tm.logits(h)
+            front_logits = front_logits.astype(jnp.float32)
+            if qlogits is None:
+                qlogits = jnp.zeros((b, c, front_logits.shape[-1]), jnp.float32)
+            qlogits = qlogits.at[rows, front].set(
+                jnp.where(front_ok[..., None], front_logits, qlogits[rows, front])
+            )
+            picks = pick_children(
+                front_logits, br, temp, _fold(keys, _DRAFT_STREAM + d), sampling=key.sampling
+            )  # [B, br, br]
+            t = jnp.where(sampled, temp, 1.0)[:, None, None]
+            logq = jax.nn.log_softmax(front_logits / t, axis=-1)
+            child_logq = jnp.take_along_axis(logq, picks, axis=-1)
+            # sampled rows: stop at budget nodes (frontier node j gets what is left, in order)
+            room = n - jnp.sum(alive, axis=1)
+            j = jnp.arange(br)[None, :, None]
+            k = jnp.where(sampled[:, None, None], jnp.clip(room[:, None, None] - j * br, 0, br), br)
+            ok = front_ok[..., None] & (jnp.arange(br)[None, None, :] < k)
+            lo = 1 + d * br * br
+            sl = slice(lo, lo + br * br)
+            tokens = tokens.at[:, sl].set(picks.reshape(b, -1))
+            parents = parents.at[:, sl].set(jnp.repeat(front, br, axis=1))
+            parent_logp = jnp.repeat(logp[rows, front], br, axis=1)
+            logp = logp.at[:, sl].set(parent_logp + child_logq.reshape(b, -1))
+            alive = alive.at[:, sl].set(ok.reshape(b, -1))
+            if key.drafter == "mtp":
+                slot_hidden = slot_hidden.at[:, sl].set(jnp.repeat(h, br, axis=1))
+        alive = prune(alive)
+        toks_c, index = _compact(alive, tokens, n, 0)
+        par_slot = jnp.where(parents >= 0, parents, 0)
+        par_c = jnp.where(parents >= 0, index[rows, par_slot], -1)
+        par_c, _ = _compact(alive, par_c, n, -2)
+        q_c, _ = _compact(alive, qlogits, n, 0.0)
+        return toks_c, par_c, q_c
+
     def step(
         tstate,
         dstate,
@@ -324,7 +436,11 @@ def _program(key: ProgramKey):
         top_p,
     ):
         keys = row_keys(seeds)
-        if tree is not None:
+        if isinstance(tree, BudgetTree):
+            tokens, parents, draft_logits = draft_budget(
+                tstate, dstate, buf, table, handles, pages, lengths, root, hidden, temp, keys
+            )
+        elif tree is not None:
             tokens, parents, draft_logits = draft_tree(
                 tstate, dstate, buf, table, handles, pages, lengths, root, hidden, temp, keys
             )
@@ -376,7 +492,12 @@ class DeviceSpeculator:
     MTP head, or host-built n-gram trees)."""
 
     def __init__(self, runner, spec, *, drafter: str, draft_runner=None):
-        tree = None if drafter == "ngram" else StaticTree(tuple(spec.tree))
+        if drafter == "ngram":
+            tree = None  # built on the host
+        elif spec.tree is not None:
+            tree = StaticTree(tuple(spec.tree))
+        else:
+            tree = BudgetTree(spec.budget, spec.depth, spec.branch)
         self.runner = runner
         self.draft_runner = draft_runner
         self.drafter = drafter
@@ -390,8 +511,8 @@ class DeviceSpeculator:
             draft_spec=draft_runner.spec if draft_runner is not None else None,
             draft_kernels=draft_runner.kernel_choice if draft_runner is not None else None,
             tree=tree,
-            width=max(spec.tree),
-            depth=len(spec.tree),
+            width=max(spec.tree) if spec.tree is not None else spec.branch,
+            depth=spec.max_depth,
             snapshot=spec.verify == "snapshot",
             sampling=True,
         )

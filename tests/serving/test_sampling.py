@@ -57,12 +57,14 @@ def _second_token_marginal(model, prompt, temperature):
     return first @ second
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model", "draft_model-budget"])
 def test_speculative_sampling_matches_target_distribution(method, target, draft):
     prompt = [3, 9, 3, 9, 3, 9, 3]
     temperature, n = 1.5, 600
+    shape = dict(budget=6, depth=2, branch=3) if method.endswith("budget") else dict(tree=(3, 2))
+    method = method.removesuffix("-budget")
     spec = SpecConfig(
-        method=method, tree=(3, 2), draft_model=draft if method == "draft_model" else None
+        method=method, draft_model=draft if method == "draft_model" else None, **shape
     )
     llm = LLM(target, speculative=spec, **ENGINE)
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=2, temperature=temperature))

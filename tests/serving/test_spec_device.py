@@ -199,11 +199,25 @@ def test_one_device_program_per_speculative_step(target, draft):
     assert engine.device_spec.calls >= max(len(o.metrics["acceptance_lengths"]) for o in outs)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "mtp", "ngram"])
-def test_device_and_host_paths_give_the_same_greedy_tokens(method, target, draft):
-    spec = SpecConfig(method=method, draft_model=draft if method == "draft_model" else None)
+DEVICE_VS_HOST = {
+    "draft-422": dict(method="draft_model"),
+    "mtp-budget10": dict(method="mtp", budget=10, depth=3, branch=3),
+    "draft-budget12-snapshot": dict(
+        method="draft_model", budget=12, depth=3, branch=3, verify="snapshot"
+    ),
+    "ngram-32": dict(method="ngram", tree=(3, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICE_VS_HOST))
+def test_device_and_host_paths_give_the_same_greedy_tokens(name, target, draft):
+    """Same tokens and the same trees (so the same acceptance lengths): static and dynamic
+    trees drafted on the device match the host's builder."""
+    kw = DEVICE_VS_HOST[name]
+    spec = SpecConfig(**kw, draft_model=draft if kw["method"] == "draft_model" else None)
     ps, params = prompts(3), SamplingParams(max_tokens=16)
     on_device = LLM(target, speculative=spec, **ENGINE)
+    assert on_device.engine.device_spec is not None
     on_host = LLM(target, speculative=spec, **ENGINE)
     on_host.engine.device_spec = None
     a = on_device.generate(ps, params)
