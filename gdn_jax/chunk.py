@@ -204,8 +204,9 @@ def chunk_gated_delta_rule(
         raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, b, t, initial_state)
-    if resolve_impl(impl, "chunk_gated_delta_rule", q, k, v, chunk_size) == "pallas":
-        return pallas_op("chunk_gated_delta_rule")(
+    kernel = resolve_impl(impl, "chunk_gated_delta_rule", q, k, v, chunk_size)
+    if kernel != "xla":
+        return pallas_op("chunk_gated_delta_rule", kernel)(
             q,
             k,
             v,

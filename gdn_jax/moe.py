@@ -13,7 +13,9 @@ token may name the same expert twice (both pairs count).
 keep token order) and runs the three projections as grouped matmuls (``lax.ragged_dot``) over
 the sorted rows, then scatter-adds the weighted rows into their tokens. ``impl="pallas"`` runs
 the GPU kernels of :mod:`pallas_kernels.moe` (interpret mode off GPU), ``impl="auto"`` picks
-them where :mod:`gdn_jax.pallas_routes` says so (XLA off GPU).
+them where :mod:`gdn_jax.pallas_routes` says so (XLA off GPU). ``impl="pallas_tpu"`` runs jax's
+megablox grouped matmul (:mod:`pallas_kernels.tpu.moe`; TPU interpret mode off TPU), which
+``"auto"`` does not take.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def routed_experts(
 
     ``expert_e(v) = (silu(v gate_proj[e]) * (v up_proj[e])) down_proj[e]``. Expert ids must lie
     in ``[0, E)``. ``x`` is cast to the expert weights' dtype; the result ``[M, H]`` has the
-    expert weights' dtype. ``impl``: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    expert weights' dtype. ``impl``: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"pallas_tpu"``.
     """
     x, weights, experts, gate_proj, up_proj, down_proj = as_arrays(
         x, weights, experts, gate_proj, up_proj, down_proj
@@ -95,8 +97,8 @@ def routed_experts(
     path = resolve_impl(impl, "routed_experts", *args)
     if m == 0:
         return jnp.zeros((0, h), gate_proj.dtype)
-    if path == "pallas":
-        return pallas_op("routed_experts")(*args)
+    if path != "xla":
+        return pallas_op("routed_experts", path)(*args)
     return _routed_xla(*args)
 
 

@@ -1,4 +1,9 @@
-"""The gated delta rule as a plain recurrence over time (``lax.scan``): decode and reference."""
+"""The gated delta rule as a plain recurrence over time (``lax.scan``): decode and reference.
+
+``impl="pallas_tpu"`` runs the TPU decode kernel (:mod:`pallas_kernels.tpu.decode`: a token loop
+on the state in VMEM, TPU interpret mode off TPU), which ``"auto"`` takes on a TPU; every other
+backend runs the scan.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from gdn_jax._prep import (
     prepare_qk,
     ungroup_heads,
 )
+from gdn_jax.dispatch import pallas_op, resolve_impl
 
 
 def recurrent_gated_delta_rule(
@@ -29,6 +35,7 @@ def recurrent_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     output_final_state: bool = True,
+    impl: str = "auto",
 ) -> tuple[Float[Array, "B T Hv V"], Float[Array, "B Hv K V"] | None]:
     """Runs the gated delta rule token by token.
 
@@ -37,12 +44,19 @@ def recurrent_gated_delta_rule(
         S = exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S = S + k_t u_t^T;   o_t = S^T q_t
 
     with ``q`` scaled by ``scale`` (default ``K ** -0.5``) after the optional l2norm of q and k.
-    Math in f32; ``o`` has the dtype of ``v``. ``initial_state`` defaults to zeros.
+    Math in f32; ``o`` has the dtype of ``v``. ``initial_state`` defaults to zeros. ``impl``:
+    ``"auto"``, ``"xla"`` or ``"pallas_tpu"`` (module docstring; no GPU kernel takes ``"pallas"``).
 
     Returns ``(o [B, T, Hv, V], S_T [B, Hv, K, V] f32 or None)``.
     """
     q, k, v, g, beta, initial_state = as_arrays(q, k, v, g, beta, initial_state)
     check_rule_inputs(q, k, v, g, beta, initial_state)
+    kernel = resolve_impl(impl, "recurrent_gated_delta_rule", q, k, v)
+    if kernel != "xla":
+        o, s = pallas_op("recurrent_gated_delta_rule", kernel)(
+            q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
+        return o, (s if output_final_state else None)
     return _recurrent_xla(
         q,
         k,

@@ -119,8 +119,9 @@ def tree_verify(
     q, k, v, g, beta, parents, initial_state = as_arrays(q, k, v, g, beta, parents, initial_state)
     b, n, hk, hv, dk, dv = check_rule_inputs(q, k, v, g, beta, initial_state, time_name="N")
     parents = _check_parents(parents, b, n)
-    if resolve_impl(impl, "tree_verify", q, k, v) == "pallas":
-        o, u, g_path = pallas_op("tree_verify")(
+    kernel = resolve_impl(impl, "tree_verify", q, k, v)
+    if kernel != "xla":
+        o, u, g_path = pallas_op("tree_verify", kernel)(
             q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
         )
         return o, TreeCache(u, k, g_path, parents, use_qk_l2norm)
@@ -199,8 +200,9 @@ def tree_commit(
     """
     initial_state, path, path_len = as_arrays(initial_state, path, path_len)
     _check_commit(initial_state, cache, path, path_len)
-    if resolve_impl(impl, "tree_commit", cache) == "pallas":
-        return pallas_op("tree_commit")(initial_state, cache, path, path_len)
+    kernel = resolve_impl(impl, "tree_commit", cache)
+    if kernel != "xla":
+        return pallas_op("tree_commit", kernel)(initial_state, cache, path, path_len)
     return _tree_commit_xla(initial_state, cache, path, path_len)
 
 

@@ -10,12 +10,16 @@
 - :mod:`pallas_kernels.attention`: paged tree attention (``kernel.py``) and tree / causal paged
   attention reading KV pages in place from the arena (``arena.py``);
 - :mod:`pallas_kernels.moe`: routed MoE experts (small-M, grouped GEMM, ``ragged_dot_mgpu``);
-- :mod:`pallas_kernels.experimental`: variants that were measured and are not routed.
+- :mod:`pallas_kernels.experimental`: variants that were measured and are not routed;
+- :mod:`pallas_kernels.tpu`: Mosaic TPU versions of the GDN kernels (verify, commit, chunked
+  prefill, decode; dense and on the arena) and a route to jax's megablox ``gmm``, checked in
+  TPU interpret mode.
 
 Each op folder holds a plain-JAX ``reference.py`` the kernels are tested against. Static tuning
 knobs live in frozen dataclasses (``VerifyBlocks``, ``CommitBlocks``, ``ChunkBlocks``, ...); a
 thin wrapper builds the grid and takes ``interpret=`` so the kernels run on CPU too. The GPU
-kernels use the Pallas Triton lowering. This package imports jax only, never ``gdn_jax``.
+kernels use the Pallas Triton lowering, the TPU kernels Mosaic. This package imports jax only,
+never ``gdn_jax``.
 """
 
 from pallas_kernels.chunk import ChunkBlocks, chunk_gated_delta_rule

@@ -1,0 +1,175 @@
+"""The TPU tree verify (``pallas_kernels.tpu.verify``) in TPU interpret mode: against float64
+and the XLA path over random trees (chains, stars, forests, padded trees), grouped heads, bf16
+inputs, 128 nodes, both solves; the arena variant against the dense kernel; the input checks;
+and the Mosaic lowering at Qwen3.5 dims on v5e and v6e."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import tpu
+from tests.gdn_jax.strategies import make_tree
+from tests.pallas_kernels.common import tree_inputs
+from tests.pallas_kernels.tpu.common import (
+    HANDLES,
+    HK,
+    HV,
+    OFFSET,
+    TABLE,
+    TREE,
+    K,
+    V,
+    arena_with,
+    lowers,
+    shapes,
+    verify,
+)
+
+
+@pytest.mark.parametrize(
+    "hk, hv, dk, dv, dtype",
+    [(1, 2, 16, 32, np.float32), (2, 4, 32, 16, jnp.bfloat16)],
+    ids=["f32-grouped", "bf16-grouped"],
+)
+def test_fixed_tree(hk, hv, dk, dv, dtype):
+    """A forest with a padding node and a chain; grouped heads, K != V; two rows and two heads
+    stacked in one program."""
+    verify(TREE, hk, hv, dk, dv, dtype)
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    kinds=st.lists(
+        st.sampled_from(["chain", "star", "random", "forest", "padded"]), min_size=2, max_size=2
+    ),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_trees(kinds, seed):
+    """Random trees of every kind (12 nodes, two rows), strong and mixed decays."""
+    rng = np.random.default_rng(seed)
+    parents = np.stack([make_tree(kind, 12, rng) for kind in kinds])
+    verify(
+        parents, 1, 2, 16, 16, np.float32, seed=seed % 1000, decay="strong" if seed % 2 else "mixed"
+    )
+
+
+def test_128_node_chain_blocked():
+    """A 128-node chain (the deepest tree: every inverse step) with blocked forward
+    substitution, and a 128-node random tree with the default Newton-Schulz solve."""
+    chain = (np.arange(128, dtype=np.int32) - 1)[None]
+    verify(chain, 1, 1, 16, 16, np.float32, blocks=tpu.TpuVerifyBlocks(inverse="blocked"))
+    tree = make_tree("random", 128, np.random.default_rng(3))[None]
+    verify(tree, 1, 1, 16, 16, np.float32, seed=3)
+
+
+def test_arena_matches_dense():
+    """States read through the handle table (row 1 padding: zeros) give the dense kernel's
+    outputs bit for bit."""
+    rng = np.random.default_rng(1)
+    parents = np.stack([make_tree("random", 10, rng) for _ in range(3)])
+    q, k, v, g, beta, _ = tree_inputs(parents, HK, HV, K, V, np.float32, seed=1)
+    arena, dense = arena_with(rng.standard_normal((3, HV, K, V)), rng)
+    par = jnp.asarray(parents)
+    got = tpu.tree_verify_arena(
+        q, k, v, g, beta, par, jnp.asarray(arena), jnp.asarray(TABLE), jnp.asarray(HANDLES),
+        state_offset=OFFSET, use_qk_l2norm=True, interpret=True,
+    )  # fmt: skip
+    want = tpu.tree_verify(
+        q, k, v, g, beta, par, jnp.asarray(dense), use_qk_l2norm=True, interpret=True
+    )
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_bad_inputs_raise():
+    z = lambda *s: jnp.zeros(s)
+    par = jnp.arange(8, dtype=jnp.int32)[None] - 1
+    s0 = z(1, 2, 16, 16)
+    with pytest.raises(ValueError, match="at most 128 nodes"):
+        tpu.tree_verify(
+            z(1, 129, 1, 16),
+            z(1, 129, 1, 16),
+            z(1, 129, 2, 16),
+            z(1, 129, 2),
+            z(1, 129, 2),
+            jnp.zeros((1, 129), jnp.int32),
+            s0,
+        )
+    with pytest.raises(ValueError, match="K: .*multiple of 8"):
+        tpu.tree_verify(
+            z(1, 8, 1, 12),
+            z(1, 8, 1, 12),
+            z(1, 8, 2, 16),
+            z(1, 8, 2),
+            z(1, 8, 2),
+            par,
+            z(1, 2, 12, 16),
+        )
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        tpu.tree_verify(
+            z(1, 8, 2, 16),
+            z(1, 8, 2, 16),
+            z(1, 8, 3, 16),
+            z(1, 8, 3),
+            z(1, 8, 3),
+            par,
+            z(1, 3, 16, 16),
+        )
+    with pytest.raises(ValueError, match="blocks.heads"):
+        tpu.tree_verify(
+            z(1, 8, 1, 16),
+            z(1, 8, 1, 16),
+            z(1, 8, 2, 16),
+            z(1, 8, 2),
+            z(1, 8, 2),
+            par,
+            s0,
+            blocks=tpu.TpuVerifyBlocks(heads=3),
+        )
+    with pytest.raises(ValueError, match="V: the TPU arena kernels need V == 128"):
+        tpu.tree_verify_arena(
+            z(1, 8, 1, 16),
+            z(1, 8, 1, 16),
+            z(1, 8, 2, 16),
+            z(1, 8, 2),
+            z(1, 8, 2),
+            par,
+            jnp.zeros((2, 4096), jnp.uint32),
+            jnp.zeros((2, 2), jnp.int32),
+            jnp.zeros((1,), jnp.int32),
+            state_offset=0,
+        )
+    for bad in (dict(inverse="lu"), dict(block=12), dict(refine_steps=5), dict(precision="bf16")):
+        with pytest.raises(ValueError, match="blocks."):
+            tpu.TpuVerifyBlocks(**bad)
+
+
+@pytest.mark.parametrize("device_kind, mxu_rows", [("TPU v5 lite", 128), ("TPU v6 lite", 256)])
+def test_lowers_at_qwen_dims(device_kind, mxu_rows):
+    """The dense and arena kernels lower to Mosaic at Qwen3.5-35B dims (bf16, N 64, grouped
+    heads stacked to the chip's MXU rows): block shapes, memory spaces and every op pass the
+    Pallas TPU lowering."""
+    b, n, hk, hv, d = 4, 64, 2, 4, 128
+    bf, f = jnp.bfloat16, jnp.float32
+    blocks = tpu.TpuVerifyBlocks(mxu_rows=mxu_rows)
+    dense = shapes(
+        ((b, n, hk, d), bf),
+        ((b, n, hk, d), bf),
+        ((b, n, hv, d), bf),
+        ((b, n, hv), f),
+        ((b, n, hv), f),
+        ((b, n), jnp.int32),
+        ((b, hv, d, d), f),
+    )
+    assert lowers(
+        lambda *a: tpu.tree_verify(*a, use_qk_l2norm=True, blocks=blocks),
+        *dense,
+        device_kind=device_kind,
+    )
+    arena = shapes(((4, 1024, 128), jnp.uint32), ((8, 2), jnp.int32), ((b,), jnp.int32))
+    fn = lambda *a: tpu.tree_verify_arena(*a, state_offset=128, use_qk_l2norm=True, blocks=blocks)
+    assert lowers(fn, *dense[:6], *arena, device_kind=device_kind)
