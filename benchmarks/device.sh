@@ -35,6 +35,8 @@
 #   routes_check        routes_check: impl="auto" and "pallas" against "xla"
 #   arena_read_decode   arena_read: a decode step's GDN states through the arena
 #   arena_read_prefill  arena_read: a prefill chunk's GDN states through the arena
+#   parallel_397b_shard parallel_397b: one device's TP 8 / EP 8 shard of Qwen3.5-397B-A17B
+#                       (cut to 4 and 8 layers, B 1/16/64, plain and tree WY), then the table
 set -u
 OUT=${OUT:-/tmp/benchmarks_out}
 export PYTHONUNBUFFERED=1
@@ -170,6 +172,10 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
   arena_read_prefill)
     TAILN=12 run 400 arena_read prefill python3 -m benchmarks.arena_read --step prefill \
       --batch 1,16,64 --chunk 16,64 --reps 5 --json "$(json arena_read prefill)"
+    ;;
+  parallel_397b_shard)
+    TAILN=20 run 560 parallel_397b shard_h200 python3 -m benchmarks.parallel_397b shard \
+      --json "$(json parallel_397b shard_h200)"
     ;;
   *)
     echo "unknown step: $1 (the steps are listed at the top of $0)" >&2

@@ -11,13 +11,13 @@ and speculative memory: the manager's bytes of speculative scratch per request (
 from __future__ import annotations
 
 import json
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from serving.llm import LLM, load_model
 from serving.params import SamplingParams, SpecConfig
@@ -41,26 +41,22 @@ def stdlib_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 class Progress:
-    """A text progress bar on stderr (tokens done / total)."""
+    """A tqdm bar of tokens done / total on stderr. ``phase(name)`` names what runs now, so a
+    long first compile shows as ``compiling`` rather than a stall; as a callable it counts
+    emitted tokens (``LLM.generate(progress=...)``)."""
 
     def __init__(self, total: int, label: str = ""):
-        self.total, self.done, self.label = total, 0, label
-        self.t0 = self.last = time.perf_counter()
+        self.label = label
+        self.bar = tqdm(total=total, desc=label, unit="tok", dynamic_ncols=True, leave=True)
+
+    def phase(self, name: str) -> None:
+        self.bar.set_description(f"{self.label} ({name})" if name else self.label)
 
     def __call__(self, n: int) -> None:
-        self.done = min(self.total, self.done + n)
-        now = time.perf_counter()
-        if now - self.last < 0.25 and self.done < self.total:
-            return
-        self.last = now
-        frac = self.done / self.total
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        dt = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r{self.label:<16} [{bar}] {100 * frac:5.1f}%  {dt:6.1f}s")
-        sys.stderr.flush()
+        self.bar.update(n)
 
     def close(self) -> None:
-        sys.stderr.write("\n")
+        self.bar.close()
 
 
 def _fmt_bytes(n: float) -> str:
@@ -86,8 +82,11 @@ def run(
     kernels: str = "auto",
     json_path: str | None = None,
     progress: bool = True,
+    load_format: str = "auto",
 ) -> list[dict]:
-    model = load_model(model if model is not None else ASSETS / "target", jnp.dtype(dtype))
+    model = load_model(
+        model if model is not None else ASSETS / "target", jnp.dtype(dtype), load_format=load_format
+    )
     if method == "draft_model":
         draft = load_model(draft if draft is not None else ASSETS / "draft", jnp.dtype(dtype))
     prompts = stdlib_prompts(num_prompts, prompt_len)
@@ -115,7 +114,11 @@ def run(
             spec = SpecConfig(method=method, draft_model=draft, **kw)
         llm = LLM(model, speculative=spec, **engine)
         bar = Progress(len(prompts) * (max_tokens + 8), name) if progress else None
+        if bar:
+            bar.phase("compiling")
         llm.generate(prompts, SamplingParams(max_tokens=8), progress=bar)  # compile
+        if bar:
+            bar.phase("timed")
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, progress=bar)
         wall = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""The command line: ``python -m serving generate | bench | train-tiny``."""
+"""The command line: ``python -m serving generate | serve | bench | train-tiny`` (also
+installed as ``gdn-serve``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,30 @@ from serving.bench import ASSETS
 
 CACHE = str(Path.home() / ".cache" / "gdn_jax_xla")
 EPILOG = "Shipped models: serving/assets/tiny/{target,draft} (byte-level, see serving/README.md)."
+SHIPPED_NAME = "gdn-tiny"  # the served model name of the shipped tiny target
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one ``PROG: error: ...`` line."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _prog() -> str:
+    """How the program was invoked: ``gdn-serve`` for the script, else ``python -m serving``."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name if name and name not in ("__main__.py", "-c", "-m") else "python -m serving"
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids")
+    return ids
 
 
 def _tree(text: str) -> tuple[int, ...]:
@@ -23,13 +48,16 @@ def _tree(text: str) -> tuple[int, ...]:
     return tree
 
 
-def _spec_args(p: argparse.ArgumentParser, *, bench: bool = False) -> None:
+def _spec_args(
+    p: argparse.ArgumentParser, *, bench: bool = False, method: str = "draft_model"
+) -> None:
     p.add_argument(
         "--method",
         choices=("none", "ngram", "draft_model", "mtp"),
-        default="draft_model",
+        default=method,
         help="drafter: n-gram prompt lookup, the small draft model, the target's MTP head, or "
-        "no speculation (default: %(default)s)",
+        "no speculation (default: %(default)s"
+        + ("; the Python API's LLM defaults to none)" if method != "none" else ")"),
     )
     p.add_argument(
         "--draft-model",
@@ -61,30 +89,34 @@ def _spec_args(p: argparse.ArgumentParser, *, bench: bool = False) -> None:
     )
 
 
-def _generate(args) -> None:
-    from serving import LLM, SamplingParams, SpecConfig
+def _spec(args):
+    from serving import SpecConfig
 
-    spec = None
-    if args.method != "none":
-        spec = SpecConfig(
-            method=args.method,
-            draft_model=args.draft_model if args.method == "draft_model" else None,
-            tree=args.tree,
-            budget=args.budget,
-            verify=args.verify,
-        )
+    if args.method == "none":
+        return None
+    return SpecConfig(
+        method=args.method,
+        draft_model=args.draft_model if args.method == "draft_model" else None,
+        tree=args.tree,
+        budget=args.budget,
+        verify=args.verify,
+    )
+
+
+def _generate(args) -> None:
+    from serving import LLM, SamplingParams
+
     llm = LLM(
         args.model,
         memory_budget=args.memory_budget,
         memory_policy=args.memory_policy,
-        speculative=spec,
+        speculative=_spec(args),
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        load_format=args.load_format,
+        **_parallel(args),
     )
-    if args.prompt_ids:
-        prompt = [int(x) for x in args.prompt_ids.split(",")]
-    else:
-        prompt = args.prompt
+    prompt = args.prompt_ids if args.prompt_ids is not None else args.prompt
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -97,9 +129,47 @@ def _generate(args) -> None:
         print(out.text if isinstance(prompt, list) else prompt + out.text)
     else:
         print(" ".join(map(str, out.token_ids)))
-    m = dict(out.metrics)
-    m["acceptance_lengths"] = len(m["acceptance_lengths"])
-    print(json.dumps(m), file=sys.stderr)
+    print(json.dumps({**out.metrics, "finish_reason": out.finish_reason}), file=sys.stderr)
+
+
+def _serve(args) -> None:
+    from serving import LLM, SamplingParams
+    from serving.server import serve
+
+    llm = LLM(
+        args.model,
+        memory_budget=args.memory_budget,
+        memory_policy=args.memory_policy,
+        speculative=_spec(args),
+        max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kernels=args.kernels,
+        load_format=args.load_format,
+        **_parallel(args),
+    )
+    name = args.served_model_name
+    if name is None:
+        shipped = Path(args.model).resolve() == (ASSETS / "target").resolve()
+        name = SHIPPED_NAME if shipped else args.model
+    if not args.no_warmup:  # compile every batch bucket before the first request
+        print("compiling the engine's programs (warm-up) ...", file=sys.stderr, flush=True)
+        for b in llm.engine.buckets:
+            llm.generate([[0, 1]] * b, SamplingParams(max_tokens=2))
+    print(
+        f"serving {name!r} on http://{args.host}:{args.port}/v1"
+        + (" (API key required)" if args.api_key else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(
+        llm,
+        host=args.host,
+        port=args.port,
+        model_name=name,
+        api_key=args.api_key,
+        log_level=args.log_level,
+    )
 
 
 def _bench(args) -> None:
@@ -124,6 +194,7 @@ def _bench(args) -> None:
         dtype=args.dtype,
         kernels=args.kernels,
         json_path=args.json,
+        load_format="dummy" if args.config else "auto",
     )
 
 
@@ -141,9 +212,80 @@ def _train(args) -> None:
     )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m serving",
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=str(ASSETS / "target"),
+        help="local HF directory (config.json + safetensors weights); with --load-format "
+        "dummy a directory or config.json gives random weights (default: the shipped tiny "
+        "target)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="'auto': load the weights; 'dummy': random weights from the config "
+        "(default: %(default)s)",
+    )
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-budget", type=int, default=None, help="arena bytes (default: auto)")
+    p.add_argument(
+        "--memory-policy",
+        default="avmp",
+        choices=("avmp", "unified_padded", "static_dual", "multi_ended"),
+        help="memory manager policy (default: %(default)s)",
+    )
+    p.add_argument("--max-model-len", type=int, default=1024, help="most tokens per request")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="weights and KV cache (default: float32; the Python API's LLM defaults to bfloat16)",
+    )
+    par = p.add_argument_group("parallelism (serving/parallel.py)")
+    par.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices per engine: heads (and experts) split over them (default: 1)",
+    )
+    par.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="independent engine replicas, each over --tensor-parallel-size devices (default: 1)",
+    )
+    par.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts over the tensor-parallel devices, whole experts each",
+    )
+    par.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() first (multi-host: every host runs the same "
+        "command; the coordinator comes from the environment, see docs/api.md)",
+    )
+
+
+def _parallel(args) -> dict:
+    """The LLM's parallel keyword arguments (jax.distributed initialised first if asked)."""
+    if args.distributed:
+        import jax
+
+        jax.distributed.initialize()
+    return dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+    )
+
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=prog or _prog(),
         description="Serve hybrid GDN models with continuous batching and tree speculative "
         "decoding (tree WY or per-node snapshot verification).",
         epilog=EPILOG,
@@ -151,30 +293,64 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from one prompt", epilog=EPILOG)
-    g.add_argument(
-        "--model",
-        default=str(ASSETS / "target"),
-        help="HF directory (weights) or config.json (random weights) (default: shipped tiny)",
+    _model_args(g)
+    text = g.add_mutually_exclusive_group()
+    text.add_argument(
+        "--prompt", default="def fibonacci(n):\n", help="text prompt (default: %(default)r)"
     )
-    g.add_argument("--prompt", default="def fibonacci(n):\n", help="text prompt")
-    g.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead")
+    text.add_argument(
+        "--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead"
+    )
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass")
     g.add_argument("--top-k", type=int, default=0, help="0 = no top-k")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
-    g.add_argument("--memory-budget", type=int, default=None, help="arena bytes (default: auto)")
-    g.add_argument(
-        "--memory-policy",
-        default="avmp",
-        choices=("avmp", "unified_padded", "static_dual", "multi_ended"),
-        help="memory manager policy (default: %(default)s)",
-    )
-    g.add_argument("--max-model-len", type=int, default=1024, help="most tokens per request")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    _engine_args(g)
     g.add_argument("--compile-cache", default=CACHE, help="XLA compilation cache ('' = off)")
-    _spec_args(g)
+    _spec_args(g, method="draft_model")
     g.set_defaults(func=_generate)
+
+    v = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serves the model over an OpenAI-compatible HTTP API: /v1/completions, "
+        "/v1/chat/completions (stream=true as server-sent events), /v1/models, /health. "
+        "Requests join the running engine's continuous batching.",
+        epilog=EPILOG,
+    )
+    _model_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    v.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes"
+    )
+    v.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the model's name in the API (default: {SHIPPED_NAME!r} for the shipped model, "
+        "else --model as given)",
+    )
+    v.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoding at once")
+    _engine_args(v)
+    v.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "pallas", "xla"),
+        help="LLM(kernels=...) (default: %(default)s)",
+    )
+    v.add_argument("--compile-cache", default=CACHE, help="XLA compilation cache ('' = off)")
+    v.add_argument(
+        "--no-warmup", action="store_true", help="do not compile the programs before serving"
+    )
+    v.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (default: %(default)s)",
+    )
+    _spec_args(v, method="none")
+    v.set_defaults(func=_serve)
 
     b = sub.add_parser(
         "bench",
@@ -221,7 +397,12 @@ def parser() -> argparse.ArgumentParser:
         "both in HF format.",
         epilog=EPILOG,
     )
-    t.add_argument("--out", default=str(ASSETS), help="output directory (default: shipped)")
+    t.add_argument(
+        "--out",
+        default="tiny-models",
+        help="output directory (default: %(default)s in the current directory; "
+        "serving/assets/tiny replaces the shipped models)",
+    )
     t.add_argument("--target-steps", type=int, default=320, help="optimizer steps, target")
     t.add_argument("--draft-steps", type=int, default=200, help="optimizer steps, draft")
     t.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -244,8 +425,17 @@ def _compile_cache(directory: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     _compile_cache(getattr(args, "compile_cache", ""))
     if getattr(args, "out", None):
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    args.func(args)
+    from serving.memory import OutOfMemoryError
+
+    try:
+        args.func(args)
+    except (ValueError, OSError, OutOfMemoryError) as e:  # bad input: one line, no traceback
+        message = " ".join(str(e).split()) or type(e).__name__
+        p.exit(1, f"{p.prog} {args.command}: error: {message}\n")
+    except KeyboardInterrupt:
+        p.exit(130)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-import json
+import numbers
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,28 +17,75 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
+from gdn_jax.models.loading import load_config
 from gdn_jax.models.model import set_kernel_impl
 from serving.engine import Engine, buckets_for, make_drafter
 from serving.kernels import KERNEL_CHOICES, model_impl
-from serving.memory import MemoryManager, layout_for
+from serving.memory import MemoryManager, OutOfMemoryError, layout_for
+from serving.parallel import ParallelConfig, ReplicaEngine, ReplicaScheduler
 from serving.params import SamplingParams, SpecConfig
 from serving.runner import ArenaRunner, ModelRunner, MTPRunner
 from serving.scheduler import Request, Scheduler
+from serving.tokenizer import load_tokenizer
 
 _ids = itertools.count()
+
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+class RequestTooLargeError(OutOfMemoryError, ValueError):
+    """A request that can never fit in the memory arena, even alone: an ``OutOfMemoryError``
+    that is also a ``ValueError`` (a bad request, refused before it runs)."""
 
 
 @dataclasses.dataclass
 class RequestOutput:
     """One request's generated ``token_ids`` (its prompt excluded), ``text`` when the model
-    has a tokenizer, and ``metrics``: ``ttft_s``, ``tpot_s``, ``acceptance_lengths`` (tokens
-    emitted per verify step), ``mean_acceptance_length``, ``preemptions``."""
+    has a tokenizer, ``finish_reason`` (``"length"``: ``max_tokens`` reached, ``"stop"``: a
+    stop token or stop string) and ``metrics``: ``ttft_s``, ``tpot_s``, ``latency_s``,
+    ``num_tokens``, ``acceptance_lengths`` (tokens emitted per verify step),
+    ``mean_acceptance_length``, ``preemptions``, ``spec_bytes``."""
 
     index: int
     prompt_token_ids: list[int]
     token_ids: list[int]
     metrics: dict[str, Any]
     text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class StreamOutput:
+    """What one request produced in one engine step: its new ``token_ids`` and their ``text``
+    (``None`` without a tokenizer; a character split across tokens or a possible start of a
+    stop string is held back until it is complete). The last one of a request has
+    ``finished`` and ``finish_reason`` set and the whole :class:`RequestOutput` as ``output``;
+    a request the scheduler rejected (it can never fit in memory) ends with ``error`` set,
+    ``finish_reason == "error"`` and no ``output``."""
+
+    request_id: Hashable
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    output: RequestOutput | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """A request in flight: what of it has been handed out so far."""
+
+    req: Request
+    text: bool  # decode text at every step (streams and stop strings)
+    buffered: bool  # outputs go to the LLM's outbox (generate / stream) instead of step()'s caller
+    sent: int = 0
+    text_sent: str = ""
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _with_kernel_impl(model: HybridLM, kernels: str) -> HybridLM:
@@ -47,32 +96,91 @@ def _with_kernel_impl(model: HybridLM, kernels: str) -> HybridLM:
     return view
 
 
-def load_model(model: Any, dtype=jnp.bfloat16, seed: int = 0) -> HybridLM:
-    """An :class:`HybridLM` from itself, an HF directory (weights), a ``config.json`` path,
-    a :class:`ModelConfig` or an HF config dict (random weights)."""
+def _loaders(sharding):
+    """``(init_random, from_pretrained)``, placing each parameter at ``sharding(path, shape)``
+    when given."""
+    if sharding is None:
+        return init_random, from_pretrained
+    from gdn_jax.sharding import state_shardings
+
+    return (
+        functools.partial(init_random, sharding=lambda st: state_shardings(st, sharding)),
+        functools.partial(from_pretrained, sharding=lambda p, x: sharding(p, tuple(x.shape))),
+    )
+
+
+def load_model(
+    model: Any,
+    dtype=jnp.bfloat16,
+    seed: int = 0,
+    *,
+    load_format: str = "auto",
+    name: str = "model",
+    sharding=None,
+) -> HybridLM:
+    """An :class:`HybridLM` from itself, a :class:`ModelConfig` or an HF config dict (random
+    weights), or a local path: an HF directory loads its weights; with
+    ``load_format="dummy"`` a directory or a ``config.json`` gives random weights instead.
+    Errors are ``ValueError`` naming the argument (``name``) and the file. ``sharding(path,
+    shape)`` (a dotted parameter path) places each created or loaded parameter
+    (:meth:`serving.parallel.Placement.load_sharding`)."""
+    init_random, from_pretrained = _loaders(sharding)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if isinstance(model, HybridLM):
         return model
     if isinstance(model, ModelConfig):
         return init_random(model, dtype, seed=seed)
     if isinstance(model, dict):
-        return init_random(ModelConfig.from_hf_dict(model), dtype, seed=seed)
-    if isinstance(model, str | Path):
-        path = Path(model)
-        if path.is_dir() and any(path.glob("*.safetensors")):
-            return from_pretrained(path, dtype)
-        if path.is_file() or (path / "config.json").is_file():
-            return init_random(ModelConfig.from_json(path), dtype, seed=seed)
-        raise ValueError(f"model: {path} is neither an HF directory nor a config.json")
-    raise ValueError(
-        f"model must be a HybridLM, ModelConfig, HF config dict or path, got {type(model)}"
-    )
+        try:
+            config = ModelConfig.from_hf_dict(model)
+        except KeyError as e:
+            raise ValueError(f"{name}: the config dict has no key {e}") from None
+        return init_random(config, dtype, seed=seed)
+    if not isinstance(model, str | Path):
+        raise ValueError(
+            f"{name} must be a HybridLM, ModelConfig, HF config dict or local path, got "
+            f"{type(model).__name__}"
+        )
+    path = Path(model).expanduser()
+    if not path.exists():
+        if isinstance(model, str) and _HUB_ID.fullmatch(model):
+            raise ValueError(
+                f"{name}: {model!r} is not a local directory. Only local directories load: "
+                "download the checkpoint first (e.g. `huggingface-cli download "
+                f"{model} --local-dir DIR`) and pass DIR"
+            )
+        raise ValueError(f"{name}: {path} does not exist")
+    try:
+        if load_format == "dummy":
+            return init_random(load_config(path), dtype, seed=seed)
+        if path.is_file():
+            raise ValueError(
+                f"{name}: {path} is a config file without weights; give the model's directory, "
+                "or load_format='dummy' for random weights"
+            )
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{name}: {path} has no config.json")
+        if not (
+            any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
+        ):
+            raise ValueError(
+                f"{name}: no *.safetensors weights in {path}; pass load_format='dummy' for "
+                "random weights"
+            )
+        return from_pretrained(path, dtype)
+    except (ValueError, FileNotFoundError) as e:
+        msg = str(e) if str(e).startswith(f"{name}:") else f"{name}: {e}"
+        raise (type(e) if isinstance(e, ValueError) else ValueError)(msg) from None
 
 
 class LLM:
     """A serving engine over one hybrid model.
 
     Args:
-      model: HF directory, ``config.json``, :class:`ModelConfig`, HF config dict or model.
+      model: a local HF directory (``config.json`` + safetensors weights), a
+        :class:`ModelConfig` or an HF config dict (random weights), or a :class:`HybridLM`. A
+        directory without weights or a ``config.json`` path needs ``load_format="dummy"``.
       memory_budget: bytes of the memory manager's arena (KV pages, state slots, speculative
         scratch; with a ``draft_model`` drafter and ``cache="arena"`` the draft's cache too, in
         the same pages and slots). Default: room for ``max_num_seqs`` requests of
@@ -102,6 +210,22 @@ class LLM:
         prefill, tree verify and commit, the MoE's routed experts) run with ``impl="xla"``
         under ``"xla"`` and ``impl="auto"`` otherwise
         (:func:`gdn_jax.models.model.set_kernel_impl`).
+      load_format: ``"auto"`` (default: a path must hold weights) or ``"dummy"`` (random
+        weights from the path's config, vLLM's name); also used for a ``draft_model`` path.
+      tokenizer: for text prompts: ``"bytes"``, a directory, or an object with ``encode`` and
+        ``decode``. Default: the model directory's (:func:`serving.tokenizer.load_tokenizer`),
+        none for a config or a model object.
+      tensor_parallel_size: devices one engine splits the model's heads (and, with
+        ``enable_expert_parallel``, its experts) over (:mod:`serving.parallel`): each holds
+        its share of the weights and its own arena of ``memory_budget`` bytes for its heads of
+        every request's cache (``cache="arena"`` only).
+      data_parallel_size: independent engine replicas, each over ``tensor_parallel_size``
+        devices with its own weights, scheduler and arena; requests go to the least loaded.
+      enable_expert_parallel: split the routed experts over the tensor-parallel devices
+        (whole experts per device) instead of splitting every expert's intermediate dimension.
+      devices: the ``data_parallel_size * tensor_parallel_size`` devices to use, replica by
+        replica (default: the first of ``jax.devices()``, every host's after
+        ``jax.distributed.initialize``).
     """
 
     def __init__(
@@ -121,7 +245,14 @@ class LLM:
         seed: int = 0,
         cache: str = "arena",
         kernels: str = "auto",
+        load_format: str = "auto",
+        tokenizer: Any = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        devices: Sequence | None = None,
     ):
+        args = {k: v for k, v in locals().items() if k != "self"}
         for name, v in (
             ("max_num_seqs", max_num_seqs),
             ("max_model_len", max_model_len),
@@ -140,6 +271,13 @@ class LLM:
             raise ValueError("kernels='pallas' needs cache='arena' (the kernels read the arena)")
         if speculative is not None and not isinstance(speculative, SpecConfig):
             raise ValueError(f"speculative must be a SpecConfig or None, got {speculative!r}")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        if speculative is not None and speculative.max_depth + 2 > max_model_len:
+            raise ValueError(
+                f"speculative: a draft depth of {speculative.max_depth} leaves no room for a "
+                f"prompt and a token within max_model_len={max_model_len}"
+            )
         if batch_buckets is None:
             batch_buckets = buckets_for(max_num_seqs)
         batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
@@ -148,24 +286,74 @@ class LLM:
                 f"batch_buckets must be positive sizes ending at max_num_seqs={max_num_seqs}, "
                 f"got {batch_buckets}"
             )
+        self.parallel = ParallelConfig(
+            tensor_parallel_size, data_parallel_size, enable_expert_parallel, devices
+        )
+        if tensor_parallel_size > 1 and cache != "arena":
+            raise ValueError("cache: tensor_parallel_size > 1 needs cache='arena'")
+        if data_parallel_size > 1:  # independent replicas, one per row of the device mesh
+            replicas = [
+                LLM(**{**args, "data_parallel_size": 1, "devices": row})
+                for row in self.parallel.replica_devices()
+            ]
+            parallel = self.parallel
+            vars(self).update(vars(replicas[0]))
+            self.parallel, self.replicas = parallel, replicas
+            self.scheduler = ReplicaScheduler([r.scheduler for r in replicas])
+            self.engine = ReplicaEngine([r.engine for r in replicas])
+            self._live, self._outbox = {}, {}
+            return
+        self.replicas = []
+        placement = None
+        if self.parallel.enabled:
+            self.parallel.check_source(model)  # before loading anything
+            placement = self.parallel.placement(model_impl(kernels))
         jdtype = jnp.dtype(dtype)
-        self.model = _with_kernel_impl(load_model(model, jdtype, seed), kernels)
+        base = load_model(
+            model,
+            jdtype,
+            seed,
+            load_format=load_format,
+            sharding=placement.load_sharding if placement else None,
+        )
+        if placement is not None:
+            self.parallel.check_model(base.config)
+            base = placement.place(base)
+        self.model = _with_kernel_impl(base, kernels)
         self.config = self.model.config
         self.speculative = speculative
-        self.tokenizer = _tokenizer_for(model)
+        if tokenizer is None and isinstance(model, str | Path):
+            tokenizer = model
+        try:
+            self.tokenizer = load_tokenizer(tokenizer)
+        except ValueError as e:
+            raise ValueError(f"tokenizer: {e}") from None
         pages_per_seq = -(-max_model_len // page_size)
         n = speculative.num_nodes if speculative else 1
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = _with_kernel_impl(
-                load_model(speculative.draft_model, jdtype, seed + 1), kernels
+                load_model(
+                    speculative.draft_model,
+                    jdtype,
+                    seed + 1,
+                    load_format=load_format,
+                    name="draft_model",
+                ),
+                kernels,
             )
             if draft.config.vocab_size != self.config.vocab_size:
                 raise ValueError(
                     f"draft_model: vocab_size {draft.config.vocab_size} != target's "
                     f"{self.config.vocab_size}"
                 )
-        layout = layout_for(self.config.to_hf_dict(), page_size, spec_nodes=n, kv_dtype=dtype)
+        draft_placement = None
+        if placement is not None and draft is not None:  # split by heads, or replicated
+            draft_placement = placement.for_draft(draft.config)
+            draft = draft_placement.place(draft)
+        # on several devices: one device's share of the cache (serving.parallel)
+        cfg = placement.local_config(self.config) if placement else self.config
+        layout = layout_for(cfg.to_hf_dict(), page_size, spec_nodes=n, kv_dtype=dtype)
         layout = dataclasses.replace(layout, conv_dtype=dtype)  # the model's conv state dtype
         # the draft's cache shares the target's units: draft_* fields in each kv page and state
         # slot (the same tokens), so it lives in the arena and under the budget too. (A draft
@@ -177,8 +365,9 @@ class LLM:
             and bool(draft.config.attn_layers)
         )
         if draft_in_arena:
+            dcfg = draft_placement.local_config(draft.config) if placement else draft.config
             layout = dataclasses.replace(
-                layout, draft=layout_for(draft.config.to_hf_dict(), page_size, spec_nodes=1)
+                layout, draft=layout_for(dcfg.to_hf_dict(), page_size, spec_nodes=1)
             )
         spec_kind = None
         if speculative is not None:
@@ -191,9 +380,12 @@ class LLM:
         )
         if memory_budget is None:
             memory_budget = 2 * max_num_seqs * per_req + (8 << 20)
-        self.manager = MemoryManager(
-            layout, int(memory_budget), memory_policy, segment_bytes=segment_bytes
-        )
+        try:
+            self.manager = (placement.memory_manager if placement else MemoryManager)(
+                layout, int(memory_budget), memory_policy, segment_bytes=segment_bytes
+            )
+        except ValueError as e:
+            raise ValueError(f"memory_budget / memory_policy / segment_bytes: {e}") from None
         self.layout = layout
         self.spec_bytes_per_request = spec_units * layout.unit_bytes(spec_kind) if spec_kind else 0
         # a kv handle holds tokens_per_page tokens (more than page_size under unified_padded)
@@ -201,7 +393,9 @@ class LLM:
         pages_per_seq = -(-max_model_len // page_size)
         num_pages = max_num_seqs * pages_per_seq
         if cache == "arena":
-            self.runner = ArenaRunner(self.model, self.manager, kernels=kernels)
+            self.runner = ArenaRunner(
+                self.model, self.manager, kernels=kernels, placement=placement
+            )
         else:
             self.runner = ModelRunner(
                 self.model,
@@ -214,7 +408,9 @@ class LLM:
         if draft_in_arena:
             # (the draft's geometry may not suit the kernels the target was forced onto)
             draft_kernels = "auto" if kernels == "pallas" else kernels
-            draft_runner = ArenaRunner(draft, self.manager, kernels=draft_kernels, draft=True)
+            draft_runner = ArenaRunner(
+                draft, self.manager, kernels=draft_kernels, draft=True, placement=draft_placement
+            )
         elif draft is not None:
             draft_runner = ModelRunner(
                 draft,
@@ -248,61 +444,315 @@ class LLM:
             spec=speculative,
             drafter=drafter,
             draft_runner=draft_runner,
+            # the one-program speculative step builds single-device arena caches
+            device_speculation=placement is None or placement.tp == 1,
         )
         self.max_model_len = pages_per_seq * page_size
+        self._depth = speculative.max_depth if speculative else 0
+        self._max_request_tokens = self._tokens_alone(spec_kind, spec_units, pages_per_seq)
+        self._live: dict[Hashable, _Live] = {}
+        self._outbox: dict[Hashable, list[StreamOutput]] = {}
+
+    def _tokens_alone(self, spec_kind: str | None, spec_units: int, pages_per_seq: int) -> int:
+        """Most tokens one request can hold with nothing else in the arena (a dry run on the
+        empty manager); ``ValueError`` when not even one page fits."""
+        base = [("state", 1)] + ([(spec_kind, spec_units)] if spec_kind else [])
+
+        def fits(pages: int) -> bool:
+            return self.manager.fits_all([*base, ("kv", pages)])
+
+        if not fits(1):
+            stats = self.manager.stats()
+            raise ValueError(
+                f"memory_budget: the arena ({stats['arena_bytes']} bytes under policy "
+                f"{stats['policy']!r}) cannot hold one request: a state slot, "
+                f"{self.spec_bytes_per_request} bytes of speculative scratch and one KV page"
+            )
+        lo, hi = 1, pages_per_seq
+        while lo < hi:  # the largest page count that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo * self.manager.tokens_per_page
 
     def compiled_programs(self) -> int:
         """Jitted programs compiled so far (constant in a steady state)."""
         return self.engine.compiled()
 
+    # ------------------------------------------------------------------------- requests
+
     def generate(
         self,
-        prompt_token_ids: Sequence[Sequence[int]] | Sequence[str] | str,
-        sampling_params: SamplingParams | None = None,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress=None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (token ids, or text when the model has a tokenizer);
-        returns one :class:`RequestOutput` per prompt, in order. ``progress(n)`` is called with
-        the number of tokens emitted at each step."""
-        params = sampling_params or SamplingParams()
+        """Generates for every prompt; returns one :class:`RequestOutput` per prompt, in order.
+
+        ``prompts``: one prompt or a list of them; a prompt is a string (through the model's
+        tokenizer), a list of token ids, or a dict with ``"prompt"`` (text) or
+        ``"prompt_token_ids"``; a flat list of ints is one prompt. ``sampling_params``: one
+        :class:`SamplingParams` for every prompt, or a list with one per prompt (default
+        ``SamplingParams()``). Every prompt is checked before any runs (``ValueError`` naming
+        ``prompts[i]``), so a refused call leaves the engine as it was. ``progress(n)`` is
+        called with the number of tokens emitted at each step. A request that can never fit in
+        the arena raises :class:`RequestTooLargeError` (an ``OutOfMemoryError`` and a
+        ``ValueError``): before anything runs, or, when the scheduler finds it at run time,
+        once the other requests have finished.
+        """
+        rids = self._submit(prompts, sampling_params, text=False)
+        done: dict[Hashable, StreamOutput] = {}
+        try:
+            while len(done) < len(rids):
+                self._advance()
+                emitted = 0
+                for rid in rids:
+                    for out in self._outbox.pop(rid, ()):
+                        emitted += len(out.token_ids)
+                        if out.finished:
+                            done[rid] = out
+                if progress is not None and emitted:
+                    progress(emitted)
+        finally:
+            self._drop(rids)
+        for out in done.values():
+            if out.error is not None:
+                raise RequestTooLargeError(f"prompts[{out.index}]: {out.error}")
+        return [done[rid].output for rid in rids]
+
+    def stream(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StreamOutput]:
+        """Like :meth:`generate`, but yields a :class:`StreamOutput` for each request at every
+        step where it emitted tokens or finished (``index`` is the prompt's position). Closing
+        the generator early aborts its unfinished requests."""
+        rids = self._submit(prompts, sampling_params, text=True)
+        left = set(rids)
+        try:
+            while left:
+                self._advance()
+                for rid in rids:
+                    for out in self._outbox.pop(rid, ()):
+                        if out.finished:
+                            left.discard(rid)
+                        yield out
+        finally:
+            self._drop(rids)
+
+    def add_request(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        *,
+        index: int = 0,
+    ) -> Hashable:
+        """Queues one request and returns its id; :meth:`step` advances it. ``index`` keys its
+        random draws with ``SamplingParams.seed`` (as a prompt's position does in
+        :meth:`generate`). Raises ``ValueError`` (nothing queued) for a bad prompt or one that
+        can never fit."""
+        ids = self.prompt_ids(prompt, "prompt")
+        params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {params!r}")
-        prompts = self._encode(prompt_token_ids)
-        start = time.perf_counter()
-        reqs = [
-            Request(index=i, rid=("req", next(_ids)), prompt=p, params=params, arrival=start)
-            for i, p in enumerate(prompts)
-        ]
-        for r in reqs:
-            self.scheduler.add(r)
-        self.engine.progress = progress
-        while self.scheduler.waiting or self.scheduler.running:
-            self.engine.step()
-        return [self._output(r) for r in reqs]
+        self.check_request(ids, params, "prompt")
+        return self._add(ids, params, index, text=True, buffered=False)
 
-    def _encode(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise ValueError("prompt_token_ids: text prompts need a model tokenizer")
-                p = self.tokenizer.encode(p)
-            p = [int(t) for t in np.asarray(p, np.int64).reshape(-1)]
-            if not p:
-                raise ValueError(f"prompt_token_ids[{i}] is empty")
-            if min(p) < 0 or max(p) >= self.config.vocab_size:
+    def step(self) -> list[StreamOutput]:
+        """Runs one engine iteration (admission, a prefill chunk, a decode or speculative step)
+        and returns a :class:`StreamOutput` for each request of :meth:`add_request` that
+        emitted tokens or finished."""
+        return self._advance()
+
+    def abort_request(self, request_id: Hashable) -> None:
+        """Drops a request (waiting or running) and frees its memory; unknown ids are ignored."""
+        live = self._live.pop(request_id, None)
+        self._outbox.pop(request_id, None)
+        if live is not None and not live.req.finished:
+            self.scheduler.abort(live.req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def prompt_ids(self, prompt: Any, name: str = "prompt") -> list[int]:
+        """Token ids of one prompt (text, token ids, or a dict with ``"prompt"`` or
+        ``"prompt_token_ids"``), checked against the vocabulary; ``ValueError`` naming ``name``."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
                 raise ValueError(
-                    f"prompt_token_ids[{i}] has ids outside [0, {self.config.vocab_size})"
+                    f"{name}: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'"
                 )
-            out.append(p)
-        if not out:
-            raise ValueError("prompt_token_ids: no prompts")
-        return out
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{name}: text prompts need a model tokenizer (this model has none; give "
+                    "token ids or LLM(tokenizer=...))"
+                )
+            prompt = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise ValueError(f"{name}: token ids must be a 1-d integer array")
+        elif not isinstance(prompt, Sequence) or not all(_is_int(t) for t in prompt):
+            raise ValueError(
+                f"{name}: expected a string, a list of token ids or a dict, got "
+                f"{type(prompt).__name__}"
+                + (f" {prompt!r}" if not isinstance(prompt, Sequence) else " with non-int items")
+            )
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"{name} is empty")
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"{name} has ids outside [0, {vocab})")
+        return ids
 
-    def _output(self, r: Request) -> RequestOutput:
+    def check_request(self, ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
+        """``ValueError`` naming ``name`` when the request can never run: its prompt, its
+        ``max_tokens`` and the draft depth exceed ``max_model_len`` or what the arena holds for
+        one request, or it asks for stop strings without a tokenizer."""
+        need = len(ids) + params.max_tokens + self._depth
+        parts = f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}"
+        if self._depth:
+            parts += f" + draft depth {self._depth}"
+        if need > self.max_model_len:
+            raise ValueError(
+                f"{name}: {parts} = {need} tokens, more than max_model_len={self.max_model_len}"
+            )
+        if need > self._max_request_tokens:
+            raise RequestTooLargeError(
+                f"{name}: {parts} = {need} tokens, but memory_budget holds at most "
+                f"{self._max_request_tokens} tokens for one request"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a model tokenizer")
+
+    def _submit(self, prompts: Any, sampling_params: Any, *, text: bool) -> list[Hashable]:
+        """Checks every prompt and its parameters, then queues them all (nothing is queued
+        when one is refused)."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, Sequence) and prompts and all(_is_int(t) for t in prompts)
+        ):
+            prompts = [prompts]
+        elif isinstance(prompts, np.ndarray):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        if not isinstance(prompts, Sequence):
+            raise ValueError(
+                f"prompts must be a string, token ids, a dict or a list of them, got "
+                f"{type(prompts).__name__}"
+            )
+        if not prompts:
+            raise ValueError("prompts: no prompts")
+        ids = [self.prompt_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(ids)
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+            params = list(sampling_params)
+            if len(params) != len(ids):
+                raise ValueError(
+                    f"sampling_params: {len(params)} given for {len(ids)} prompts (give one, "
+                    "or one per prompt)"
+                )
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] must be SamplingParams, got {p!r}")
+        else:
+            raise ValueError(
+                f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}"
+            )
+        for i, (p, sp) in enumerate(zip(ids, params, strict=True)):
+            self.check_request(p, sp, f"prompts[{i}]")
+        return [
+            self._add(p, sp, i, text=text, buffered=True)
+            for i, (p, sp) in enumerate(zip(ids, params, strict=True))
+        ]
+
+    def _add(
+        self, ids: list[int], params: SamplingParams, index: int, *, text: bool, buffered: bool
+    ) -> Hashable:
+        req = Request(
+            index=index,
+            rid=("req", next(_ids)),
+            prompt=ids,
+            params=params,
+            arrival=time.perf_counter(),
+        )
+        self.scheduler.add(req)
+        wants_text = self.tokenizer is not None and (text or bool(params.stop))
+        self._live[req.rid] = _Live(req, text=wants_text, buffered=buffered)
+        return req.rid
+
+    def _drop(self, rids: list[Hashable]) -> None:
+        for rid in rids:
+            self.abort_request(rid)
+
+    def _advance(self) -> list[StreamOutput]:
+        """One engine iteration; each live request's news goes to the outbox (requests of
+        :meth:`generate` / :meth:`stream`) or is returned (requests of :meth:`add_request`)."""
+        if self.scheduler.waiting or self.scheduler.running:
+            self.engine.step()
+        direct = []
+        for rid, live in list(self._live.items()):
+            out = self._news(live)
+            if out is None:
+                continue
+            if out.finished:
+                del self._live[rid]
+            if live.buffered:
+                self._outbox.setdefault(rid, []).append(out)
+            else:
+                direct.append(out)
+        return direct
+
+    def _news(self, live: _Live) -> StreamOutput | None:
+        """What ``live`` produced since it was last asked: new tokens, their text (stop strings
+        found and cut), and, when it finished, its :class:`RequestOutput`."""
+        r = live.req
+        if r.error is not None:
+            return StreamOutput(
+                r.rid, r.index, [], None, True, finish_reason="error", error=r.error
+            )
+        n, finished = len(r.output), r.finished
+        if n == live.sent and not finished:
+            return None
+        new = r.output[live.sent : n]
+        live.sent = n
+        reason = None
+        delta = full = None
+        if live.text:
+            full = self.tokenizer.decode(r.output)
+            stop = r.params.stop
+            longest = max((len(x) for x in stop), default=0)
+            if stop:
+                start = max(0, len(live.text_sent) - longest + 1)
+                hits = [i for i in (full.find(x, start) for x in stop) if i >= 0]
+                if hits:
+                    full = full[: min(hits)]
+                    if not finished:
+                        self.scheduler.abort(r)
+                    finished, reason = True, "stop"
+            end = len(full)
+            if not finished:  # hold back a partial character and a possible stop-string start
+                end -= max(longest - 1, 0)
+                while end > 0 and full[end - 1] == "\ufffd":
+                    end -= 1
+            delta = ""
+            if full.startswith(live.text_sent) and end > len(live.text_sent):
+                delta = full[len(live.text_sent) : end]
+                live.text_sent += delta
+        if not finished:
+            return StreamOutput(r.rid, r.index, new, delta)
+        if reason is None:
+            stop_ids = r.params.stop_token_ids
+            reason = "stop" if r.output and r.output[-1] in stop_ids else "length"
+        output = self._output(r, reason, full)
+        return StreamOutput(r.rid, r.index, new, delta, True, reason, output=output)
+
+    def _output(self, r: Request, finish_reason: str, text: str | None = None) -> RequestOutput:
         n = len(r.output)
         tpot = (r.last_token_time - r.first_token_time) / (n - 1) if n > 1 else 0.0
         acc = r.accept_lengths
@@ -316,34 +766,10 @@ class LLM:
             preemptions=r.preemptions,
             spec_bytes=self.spec_bytes_per_request,
         )
-        text = self.tokenizer.decode(r.output) if self.tokenizer else None
-        return RequestOutput(r.index, list(r.prompt), list(r.output), metrics, text)
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output)
+        return RequestOutput(r.index, list(r.prompt), list(r.output), metrics, text, finish_reason)
 
 
-def _tokenizer_for(model: Any):
-    """The byte tokenizer for the shipped tiny models (``"tokenizer": "bytes"`` in their
-    config.json), an HF ``tokenizer.json`` through ``tokenizers`` when present, else None."""
-    if not isinstance(model, str | Path) or not Path(model).is_dir():
-        return None
-    path = Path(model)
-    conf = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    if conf.get("tokenizer") == "bytes":
-        from serving.tokenizer import ByteTokenizer
-
-        return ByteTokenizer()
-    if (path / "tokenizer.json").exists():
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            return None
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-
-        class _HF:
-            def encode(self, text):
-                return tok.encode(text).ids
-
-            def decode(self, ids):
-                return tok.decode(list(ids))
-
-        return _HF()
-    return None
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)

@@ -4,10 +4,22 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp")
 VERIFIERS = ("wy", "snapshot")
+# Most nodes of one draft tree (root included). Verify builds [N, N] matrices per head and the
+# scratch holds N nodes per request, so the bound keeps a typo from asking for gigabytes.
+MAX_NODES = 1024
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +27,9 @@ class SamplingParams:
     """``temperature == 0`` is greedy; otherwise softmax(logits / temperature) restricted to the
     ``top_k`` most likely tokens (0: all) and the smallest set of mass ``>= top_p``. Random draws
     are keyed by ``(seed, request index, output position)``, so a request's tokens do not depend
-    on batching or preemption."""
+    on batching or preemption. Generation stops after ``max_tokens`` tokens, at a token of
+    ``stop_token_ids`` (kept in the output) or when the text contains a string of ``stop``
+    (the text is cut before it; needs the model's tokenizer)."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -23,19 +37,33 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not _is_real(self.temperature):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if not isinstance(self.seed, int):
+        if not _is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        ids = self.stop_token_ids
+        if isinstance(ids, int | str) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a sequence of ints >= 0, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(
+                f"stop must be a string or a sequence of non-empty strings, got {stop!r}"
+            )
+        object.__setattr__(self, "stop", tuple(stop))
 
     @property
     def greedy(self) -> bool:
@@ -77,19 +105,38 @@ class SpecConfig:
         if self.method == "draft_model" and self.draft_model is None:
             raise ValueError("draft_model: method='draft_model' needs a draft model")
         if self.budget is not None:
-            if not isinstance(self.budget, int) or self.budget < 2:
-                raise ValueError(f"budget must be an int >= 2, got {self.budget!r}")
+            if not _is_int(self.budget) or not 2 <= self.budget <= MAX_NODES:
+                raise ValueError(
+                    f"budget must be an int in [2, {MAX_NODES}] (nodes of the tree), "
+                    f"got {self.budget!r}"
+                )
             object.__setattr__(self, "tree", None)
         elif self.tree is None:
             raise ValueError("tree: give a static tree like (4, 2, 2) or a budget")
         else:
-            tree = tuple(self.tree)
-            if not tree or any(not isinstance(b, int) or b < 1 for b in tree):
+            try:
+                tree = tuple(self.tree)
+            except TypeError:
+                raise ValueError(
+                    f"tree must be a tuple of positive ints, got {self.tree!r}"
+                ) from None
+            if not tree or any(not _is_int(b) or b < 1 for b in tree):
                 raise ValueError(f"tree must be a non-empty tuple of positive ints, got {tree!r}")
+            if len(tree) >= MAX_NODES:
+                raise ValueError(
+                    f"tree: {len(tree)} levels, more than {MAX_NODES - 1} draft levels"
+                )
             object.__setattr__(self, "tree", tree)
+            if self.num_nodes > MAX_NODES:
+                raise ValueError(
+                    f"tree: {tree} has {self.num_nodes} nodes (root included), more than "
+                    f"{MAX_NODES}"
+                )
         for name in ("depth", "branch", "ngram_max"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.depth >= MAX_NODES:
+            raise ValueError(f"depth must be < {MAX_NODES}, got {self.depth!r}")
 
     @property
     def max_depth(self) -> int:

@@ -366,6 +366,12 @@ class ArenaRunner:
     ``draft_*`` fields of ``manager.layout.draft``), addressed by the target's own handles;
     it drafts with :meth:`tree_logits` (the arena only read) and catches up with
     :meth:`prefill`.
+
+    ``placement``: a :class:`serving.parallel.Placement` when the model is split over several
+    devices: the manager's layout is then one device's share (``placement.local_config``),
+    its arena one slice per device, and the programs' cache the placement's
+    (:class:`serving.parallel.ShardedArenaCache`, every access per device under
+    ``shard_map``).
     """
 
     def __init__(

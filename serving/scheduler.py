@@ -15,6 +15,10 @@ Preemption is by recompute: the victim (the most recently admitted running reque
 everything and goes back to the front of the queue; on readmission it prefills its prompt
 plus all its output but the last token, which stays its pending token. Nothing is sampled
 again, so no token is lost or duplicated.
+
+A request that can never fit (more tokens than ``pages_per_seq`` pages hold, or more memory
+than the arena holds with nothing else running) is rejected at once: it is finished with
+``Request.error`` set and its memory freed, and the other requests go on.
 """
 
 from __future__ import annotations
@@ -26,7 +30,12 @@ from collections.abc import Hashable
 import numpy as np
 
 from serving.memory import MemoryManager, OutOfMemoryError
+from serving.memory.errors import AllocationTooLargeError
 from serving.params import SamplingParams
+
+
+class _NeverFits(Exception):
+    """The request needs more than the engine could ever give it."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,6 +59,7 @@ class Request:
     last_token_time: float | None = None
     accept_lengths: list[int] = dataclasses.field(default_factory=list)
     preemptions: int = 0
+    error: str | None = None  # why the scheduler rejected the request (it never fits)
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -95,17 +105,20 @@ class Scheduler:
         self.waiting.append(req)
 
     def ensure_tokens(self, req: Request, tokens: int) -> bool:
-        """Grow ``req``'s pages to hold ``tokens`` tokens; False (nothing changed) on OOM."""
+        """Grow ``req``'s pages to hold ``tokens`` tokens; False (nothing changed) on OOM.
+        Raises ``_NeverFits`` when no arena state could give them."""
         need = -(-tokens // self.page_size) - len(req.pages)
         if need <= 0:
             return True
         if len(req.pages) + need > self.pages_per_seq:
-            raise ValueError(
+            raise _NeverFits(
                 f"max_model_len: request {req.index} needs {tokens} tokens, more than the "
                 f"{self.pages_per_seq * self.page_size} the engine was built for"
             )
         try:
             handles = self.manager.alloc(req.rid, "kv", need)
+        except AllocationTooLargeError as e:
+            raise _NeverFits(f"memory_budget: request {req.index} never fits: {e}") from None
         except OutOfMemoryError:
             return False
         req.kv_handles += handles
@@ -123,30 +136,54 @@ class Scheduler:
 
     def admit(self, max_running: int, first_chunk: int) -> None:
         """Admit waiting requests in order while a slot, a state, the speculative scratch and
-        the first chunk's pages fit."""
+        the first chunk's pages fit. A request that does not fit with nothing else running
+        (or could not fit in any arena state) is rejected and the next one is tried."""
         while self.waiting and len(self.running) < max_running and self.free_slots:
             req = self.waiting[0]
             try:
                 (req.state_handle,) = self.manager.alloc(req.rid, "state", 1)
                 if self.spec_kind is not None:
                     req.spec_handles = self.manager.alloc(req.rid, self.spec_kind, self.spec_units)
+                first = min(len(req.prefill_tokens), first_chunk)
+                fits = self.ensure_tokens(req, max(first, 1))
+            except (_NeverFits, AllocationTooLargeError) as e:
+                self.waiting.popleft()
+                self.reject(req, str(e))
+                continue
             except OutOfMemoryError:
+                fits = False
+            if not fits:
                 self._release(req)
-                return
-            first = min(len(req.prefill_tokens), first_chunk)
-            if not self.ensure_tokens(req, max(first, 1)):
-                self._release(req)
-                return
+                if self.running:
+                    return  # wait for running requests to free memory
+                self.waiting.popleft()
+                self.reject(
+                    req,
+                    f"memory_budget: request {req.index} does not fit even alone "
+                    f"({self.manager.stats()['arena_bytes']} bytes arena)",
+                )
+                continue
             req.slot = self.free_slots.pop()
             self.waiting.popleft()
             self.running.append(req)
             self.peak_spec_units = max(self.peak_spec_units, self._spec_live())
-        if self.waiting and not self.running:
-            req = self.waiting[0]
-            raise OutOfMemoryError(
-                f"memory_budget: request {req.index} does not fit even alone "
-                f"({self.manager.stats()['arena_bytes']} bytes arena)"
-            )
+
+    def reject(self, req: Request, error: str) -> None:
+        """Finish ``req`` with ``error`` (it can never fit) and free what it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        req.error = error
+        req.finished = True
+
+    def abort(self, req: Request) -> None:
+        """Drop ``req`` wherever it is (waiting or running) and free what it holds."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        req.finished = True
 
     def _spec_live(self) -> int:
         s = self.manager.stats()
@@ -161,18 +198,26 @@ class Scheduler:
 
     def reserve(self, req: Request, tokens: int) -> bool:
         """Make room for ``req`` to hold ``tokens`` tokens, preempting the most recently
-        admitted requests as needed. False if ``req`` itself was preempted."""
-        while not self.ensure_tokens(req, tokens):
+        admitted requests as needed. False if ``req`` itself was preempted or rejected (it
+        cannot hold them even alone)."""
+        while True:
+            try:
+                if self.ensure_tokens(req, tokens):
+                    return True
+            except _NeverFits as e:
+                self.reject(req, str(e))
+                return False
             if self.running == [req]:
-                raise OutOfMemoryError(
-                    f"memory_budget: request {req.index} needs {tokens} tokens of KV, more than "
-                    f"the arena holds with nothing else running"
+                self.reject(
+                    req,
+                    f"memory_budget: request {req.index} needs {tokens} tokens of KV, more "
+                    "than the arena holds with nothing else running",
                 )
+                return False
             victim = self.running[-1]
             self.preempt(victim)
             if victim is req:
                 return False
-        return True
 
     def finish(self, req: Request) -> None:
         req.finished = True

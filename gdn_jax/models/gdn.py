@@ -55,6 +55,9 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.linear_value_dim, h, dtype=dtype, rngs=rngs)
         self.cfg = cfg
         self.impl = "auto"  # chunk_gated_delta_rule's and tree_verify's impl (set_kernel_impl)
+        # [q | k | v] blocks of the channels: 1, or the tensor-parallel size, whose device
+        # blocks are each [q_d | k_d | v_d] (gdn_jax.sharding.qkv_rows)
+        self.qkv_groups = 1
 
     def project(self, x: jax.Array):
         """``(qkv [B, T, C] pre-conv, z [B, T, Hv, V], g f32 [B, T, Hv], beta f32 [B, T, Hv])``."""
@@ -67,10 +70,12 @@ class GatedDeltaNet(nnx.Module):
         return qkv, z, g, beta
 
     def split(self, mixed: jax.Array):
-        """``[q | k | v]`` channels to ``q, k [B, T, Hk, K]`` and ``v [B, T, Hv, V]``."""
+        """``[q | k | v]`` channels (in ``qkv_groups`` blocks) to ``q, k [B, T, Hk, K]`` and
+        ``v [B, T, Hv, V]``."""
         cfg = self.cfg
         b, t = mixed.shape[:2]
-        kd = cfg.linear_key_dim
+        mixed = mixed.reshape(b, t, self.qkv_groups, -1)
+        kd = cfg.linear_key_dim // self.qkv_groups
         q = mixed[..., :kd].reshape(b, t, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = mixed[..., kd : 2 * kd].reshape(b, t, cfg.linear_num_key_heads, -1)
         v = mixed[..., 2 * kd :].reshape(b, t, cfg.linear_num_value_heads, -1)
@@ -113,8 +118,17 @@ class GatedDeltaNet(nnx.Module):
         if rule is not None:
             o, new_ssm = rule(q, k, v, g, beta, use_qk_l2norm=True)
             return self.finish(o, z), new_conv, new_ssm
-        if recurrent:
-            o, new_ssm = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, use_qk_l2norm=True)
+        if recurrent:  # no GPU kernel takes the token loop: "pallas" means "auto" here
+            o, new_ssm = recurrent_gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                ssm_state,
+                use_qk_l2norm=True,
+                impl="xla" if self.impl == "xla" else "auto",
+            )
         else:
             o, new_ssm = chunk_gated_delta_rule(
                 q, k, v, g, beta, ssm_state, use_qk_l2norm=True, impl=self.impl

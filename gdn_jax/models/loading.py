@@ -12,6 +12,7 @@ Qwen3.5 layout); ``conv1d.weight [C, 1, W] -> [C, W]``; routed experts (per-expe
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -23,13 +24,32 @@ from flax import nnx
 
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.model import HybridLM
-from gdn_jax.models.safetensors_io import Checkpoint
+from gdn_jax.models.safetensors_io import Checkpoint, CheckpointError
 
 F32_PARAMS = ("A_log", "dt_bias")  # kept in f32 whatever the model dtype (HF computes g in f32)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config: a missing or misshapen tensor."""
+def load_config(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a ``config.json`` (a file, or a directory holding one).
+
+    Raises ``FileNotFoundError`` when there is no such file and ``ValueError`` naming the file
+    when it is not a JSON object or not a supported config."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no such file")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except KeyError as e:
+        raise ValueError(f"{file}: missing key {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +160,18 @@ def from_pretrained(
 
     ``mtp``: load the MTP head (``True``), skip it (``False``), or load it when the checkpoint
     has ``mtp.*`` tensors (``None``). ``sharding(path, abstract)`` may give each parameter's
-    sharding. Raises :class:`CheckpointError` for a missing or misshapen tensor and
-    ``ValueError`` for an unsupported ``model_type``.
+    sharding. Only local directories load (a hub id must be downloaded first). Raises
+    ``FileNotFoundError`` for a missing directory, ``config.json`` or weights,
+    :class:`CheckpointError` for an unreadable weight file or a missing or misshapen tensor,
+    and ``ValueError`` naming the file for a malformed config or an unsupported ``model_type``.
     """
     directory = Path(path_or_dir)
-    cfg = ModelConfig.from_json(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{directory}: no such directory; only local directories load (download a hub "
+            "checkpoint first and pass its directory)"
+        )
+    cfg = load_config(directory)
     ckpt = Checkpoint(directory)
     has_mtp = "mtp.fc.weight" in ckpt
     if mtp is None:

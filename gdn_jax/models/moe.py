@@ -44,6 +44,7 @@ class SparseMoE(nnx.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.impl = impl  # routed_experts' impl: "auto" | "xla" | "pallas"
+        self.parallel = None  # tensor / expert parallel: gdn_jax.sharding.MoEParallel
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(weights [M, k] in x's dtype, expert ids int32 [M, k])`` for ``x: [M, H]``."""
@@ -64,6 +65,8 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weights, experts = self.route(x2)
+        if self.parallel is not None:  # routed and shared expert over devices, one psum
+            return self.parallel(self, x2, weights, experts).astype(x.dtype).reshape(shape)
         out = self.routed(x2, weights, experts)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return (out + shared).astype(x.dtype).reshape(shape)

@@ -1,60 +1,62 @@
-"""A dependency-free reader of HF safetensors checkpoints (single file or sharded with its
-``model.safetensors.index.json``), memory-mapped, every dtype numpy + ml_dtypes can hold (bf16
-and fp8 included, which the ``safetensors`` numpy API does not cover)."""
+"""HF safetensors checkpoints (one file, or sharded with ``model.safetensors.index.json``)
+through the ``safetensors`` package's numpy reader, bf16 included (``ml_dtypes`` registers the
+dtype with numpy). A file that is not a readable safetensors file, or an index that is not
+valid JSON, raises :class:`CheckpointError` naming the file."""
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which the reader needs)
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
-DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
+# The dtypes the numpy reader returns; FP8 (F8_E4M3, F8_E5M2) is not among them.
+READABLE = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 
 
-def read_header(path: Path) -> tuple[int, dict]:
-    """``(data start offset, header dict)`` of one ``.safetensors`` file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return 8 + n, header
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not match its config: an unreadable file, a
+    missing or misshapen tensor."""
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 class Checkpoint:
-    """Tensor names, shapes and lazily memory-mapped values of a checkpoint directory."""
+    """Tensor names, shapes and values of a checkpoint directory; each tensor is read from its
+    file when asked for."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(
+                    f"{index}: not a safetensors index (a JSON object with a 'weight_map'): {e}"
+                ) from None
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
-        self._entries: dict[str, tuple[Path, int, dict]] = {}
+        self._files: dict[Path, object] = {}
+        self._entries: dict[str, Path] = {}
         for name in files:
             path = self.directory / name
-            start, header = read_header(path)
-            for key, entry in header.items():
-                self._entries[key] = (path, start, entry)
+            if not path.is_file():
+                raise CheckpointError(f"{path}: listed in {index.name} but missing")
+            handle = _open(path)
+            self._files[path] = handle
+            for key in handle.keys():
+                self._entries[key] = path
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
@@ -62,36 +64,23 @@ class Checkpoint:
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def _slice(self, name: str):
+        return self._files[self._entries[name]].get_slice(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entries[name][2]["shape"])
+        return tuple(self._slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        path, start, entry = self._entries[name]
-        if entry["dtype"] not in DTYPES:
-            raise ValueError(f"{name}: unsupported safetensors dtype {entry['dtype']}")
-        dtype = np.dtype(DTYPES[entry["dtype"]])
-        begin, end = entry["data_offsets"]
-        raw = np.memmap(path, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
-        return raw.view(dtype).reshape(entry["shape"])
+        path = self._entries[name]
+        dtype = self._slice(name).get_dtype()
+        if dtype not in READABLE:
+            raise CheckpointError(f"{name} in {path}: unsupported safetensors dtype {dtype}")
+        try:
+            return self._files[path].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{name} in {path}: cannot be read ({e})") from None
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
-    """Writes numpy arrays as one ``.safetensors`` file (tests and tools)."""
-    names = {np.dtype(v): k for k, v in DTYPES.items()}
-    header, offset, blobs = {}, 0, []
-    for key, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        blob = arr.tobytes()
-        header[key] = {
-            "dtype": names[arr.dtype],
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        offset += len(blob)
-        blobs.append(blob)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for blob in blobs:
-            f.write(blob)
+    """Writes numpy arrays (bf16 included) as one ``.safetensors`` file."""
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
