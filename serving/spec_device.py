@@ -111,6 +111,15 @@ def _compact(alive, values, n: int, fill):
     return out[:, :n], index
 
 
+def _compact_tree(alive, tokens, parents, n: int):
+    """The alive slots as a tree of ``n`` nodes: ``(tokens [B, n], parents [B, n]`` (packed
+    ids; padding ``-2``), each slot's packed index)."""
+    rows = jnp.arange(alive.shape[0])[:, None]
+    toks, index = _compact(alive, tokens, n, 0)
+    packed_parent = jnp.where(parents >= 0, index[rows, jnp.maximum(parents, 0)], -1)
+    return toks, _compact(alive, packed_parent, n, -2)[0], index
+
+
 def target_probs(logits, temperature, top_k, top_p):
     """``softmax(logits / T)`` restricted to the ``top_k`` most likely tokens and the smallest
     set of mass ``>= top_p``, renormalised (:func:`serving.acceptance.target_probs` on the
@@ -372,10 +381,7 @@ def _program(key: ProgramKey):
             top, front = jax.lax.top_k(score, br)  # [B, br]: frontier slots by rank
             front_ok = jnp.isfinite(top)
             if key.drafter == "draft_model":
-                toks_c, index = _compact(alive, tokens, n, 0)
-                par_slot = jnp.where(parents >= 0, parents, 0)
-                par_c = jnp.where(parents >= 0, index[rows, par_slot], -1)
-                par_c, _ = _compact(alive, par_c, n, -2)
+                toks_c, par_c, index = _compact_tree(alive, tokens, parents, n)
                 logits = steps.verify_tree(dm, toks_c, par_c, cache)[0]
                 front_logits = logits[rows, jnp.minimum(index[rows, front], n - 1)]
             else:  # the MTP head on each frontier node alone
@@ -410,10 +416,7 @@ def _program(key: ProgramKey):
             if key.drafter == "mtp":
                 slot_hidden = slot_hidden.at[:, sl].set(jnp.repeat(h, br, axis=1))
         alive = prune(alive)
-        toks_c, index = _compact(alive, tokens, n, 0)
-        par_slot = jnp.where(parents >= 0, parents, 0)
-        par_c = jnp.where(parents >= 0, index[rows, par_slot], -1)
-        par_c, _ = _compact(alive, par_c, n, -2)
+        toks_c, par_c, _ = _compact_tree(alive, tokens, parents, n)
         q_c, _ = _compact(alive, qlogits, n, 0.0)
         return toks_c, par_c, q_c
 
