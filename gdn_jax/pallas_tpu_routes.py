@@ -56,15 +56,8 @@ def tree_verify(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2nor
 
 def tree_commit(initial_state, cache: TreeCache, path, path_len):
     """The committed state (see :func:`gdn_jax.tree_commit`); ``initial_state`` is aliased."""
-    return tpu_kernels.tree_commit(
-        initial_state,
-        cache.k,
-        cache.u,
-        cache.g_path,
-        path,
-        path_len,
-        use_qk_l2norm=cache.qk_l2norm,
-        interpret=_interpret(),
+    return cache.commit_with(
+        tpu_kernels.tree_commit, initial_state, path, path_len, interpret=_interpret()
     )
 
 

@@ -83,31 +83,27 @@ def _split_or_repeat(heads: int, tp: int) -> bool:
     return heads % tp == 0 or tp % heads == 0
 
 
+def _head_errors(config: ModelConfig, split: str, shared: str, tp: int) -> list[str]:
+    """Why one layer kind's heads cannot go over ``tp`` devices: the config field ``split``
+    (heads split over the devices) and ``shared`` (grouped heads, split or repeated)."""
+    out = []
+    heads, groups = getattr(config, split), getattr(config, shared)
+    if heads % tp:
+        out.append(f"{split}={heads} is not a multiple of {tp}")
+    if not _split_or_repeat(groups, tp):
+        out.append(f"{shared}={groups} neither divides nor is a multiple of {tp}")
+    return out
+
+
 def tensor_parallel_errors(
     config: ModelConfig, tp: int, expert_parallel: bool = False
 ) -> list[str]:
     """Why ``config`` cannot be split over ``tp`` devices (empty: it can)."""
     out = []
     if config.attn_layers or config.mtp_num_hidden_layers:
-        if config.num_attention_heads % tp:
-            out.append(
-                f"num_attention_heads={config.num_attention_heads} is not a multiple of {tp}"
-            )
-        if not _split_or_repeat(config.num_key_value_heads, tp):
-            out.append(
-                f"num_key_value_heads={config.num_key_value_heads} neither divides nor is a "
-                f"multiple of {tp}"
-            )
+        out += _head_errors(config, "num_attention_heads", "num_key_value_heads", tp)
     if config.gdn_layers:
-        if config.linear_num_value_heads % tp:
-            out.append(
-                f"linear_num_value_heads={config.linear_num_value_heads} is not a multiple of {tp}"
-            )
-        if not _split_or_repeat(config.linear_num_key_heads, tp):
-            out.append(
-                f"linear_num_key_heads={config.linear_num_key_heads} neither divides nor is a "
-                f"multiple of {tp}"
-            )
+        out += _head_errors(config, "linear_num_value_heads", "linear_num_key_heads", tp)
     if config.num_experts > 0 and tp > 1:
         if expert_parallel and config.num_experts % tp:
             out.append(f"num_experts={config.num_experts} is not a multiple of {tp}")

@@ -62,6 +62,22 @@ class TreeCache:
         total = sum(x.size * x.dtype.itemsize for x in (self.u, self.k, self.g_path, self.parents))
         return total // (self.u.shape[0] * n)
 
+    def commit_with(self, kernel, initial_state, path, path_len, **options):
+        """The committed state from a commit kernel of the ``pallas_kernels`` signature
+        (:func:`pallas_kernels.tree_commit`, :func:`pallas_kernels.tpu.tree_commit`): ``kernel(
+        initial_state, k, u, g_path, path, path_len, use_qk_l2norm=..., **options)`` on this
+        cache."""
+        return kernel(
+            initial_state,
+            self.k,
+            self.u,
+            self.g_path,
+            path,
+            path_len,
+            use_qk_l2norm=self.qk_l2norm,
+            **options,
+        )
+
 
 jax.tree_util.register_dataclass(
     TreeCache, data_fields=["u", "k", "g_path", "parents"], meta_fields=["qk_l2norm"]

@@ -62,20 +62,32 @@ def store_state(out_ref, addr, s):
     plt.store(out_ref.at[seg, idx], words, mask=jnp.broadcast_to(valid, idx.shape))
 
 
+def check_table_handles(table, handles, b: int) -> None:
+    """ValueErrors for a handle table that is not ``int [handles, 2]`` or handles that are not
+    ``int [B]`` (shared by the GPU and TPU arena kernels)."""
+    if table.ndim != 2 or table.shape[1] != 2 or not jnp.issubdtype(table.dtype, jnp.integer):
+        raise ValueError(f"table: expected int [handles, 2], got {table.dtype} {table.shape}")
+    if handles.shape != (b,) or not jnp.issubdtype(handles.dtype, jnp.integer):
+        raise ValueError(f"handles: expected int [B] = ({b},), got {handles.dtype} {handles.shape}")
+
+
+def check_state_fits(offset: int, hv: int, dk: int, dv: int, words: int) -> None:
+    """ValueError unless one layer's ``[Hv, K, V]`` f32 state from word ``offset`` fits a
+    segment of ``words`` words."""
+    if not 0 <= offset or offset + hv * dk * dv > words:
+        raise ValueError(
+            f"state_offset: {offset} + Hv*K*V = {hv * dk * dv} words must fit a segment of "
+            f"{words} words"
+        )
+
+
 def check_arena(arena, table, handles, b, offset, hv, dk, dv):
     if arena.ndim != 2 or arena.dtype != jnp.uint32:
         raise ValueError(
             f"arena: expected uint32 [segments, words], got {arena.dtype} {arena.shape}"
         )
-    if table.ndim != 2 or table.shape[1] != 2 or not jnp.issubdtype(table.dtype, jnp.integer):
-        raise ValueError(f"table: expected int [handles, 2], got {table.dtype} {table.shape}")
-    if handles.shape != (b,) or not jnp.issubdtype(handles.dtype, jnp.integer):
-        raise ValueError(f"handles: expected int [B] = ({b},), got {handles.dtype} {handles.shape}")
-    if not 0 <= offset or offset + hv * dk * dv > arena.shape[1]:
-        raise ValueError(
-            f"state_offset: {offset} + Hv*K*V = {hv * dk * dv} words must fit a segment of "
-            f"{arena.shape[1]} words"
-        )
+    check_table_handles(table, handles, b)
+    check_state_fits(offset, hv, dk, dv, arena.shape[1])
 
 
 def whole():

@@ -61,11 +61,37 @@ def check_pow2_dim(name: str, size: int, lo: int = 16, hi: int = 256) -> None:
         )
 
 
-def check_float(name: str, x: jax.Array) -> None:
+def check_float(name: str, x: jax.Array, kernels: str = "Pallas") -> None:
+    """ValueError unless ``x`` is float32, bfloat16 or float16 (``kernels`` names the family in
+    the message: ``"Pallas"``, ``"TPU"``)."""
     if jnp.dtype(x.dtype) not in FLOAT_INPUTS:
         raise ValueError(
-            f"{name}: the Pallas kernels accept float32, bfloat16 or float16, got {x.dtype}"
+            f"{name}: the {kernels} kernels accept float32, bfloat16 or float16, got {x.dtype}"
         )
+
+
+def check_grouped_heads(hk: int, hv: int, name: str = "v") -> None:
+    """ValueError unless the ``hv`` value heads of operand ``name`` group evenly over the ``hk``
+    key heads."""
+    if hv % hk:
+        raise ValueError(f"{name}: value heads Hv={hv} must be a multiple of key heads Hk={hk}")
+
+
+def check_max_nodes(n: int, limit: int, kernel: str) -> None:
+    """ValueError for a tree of more than ``limit`` nodes (``kernel`` names it in the message)."""
+    if n > limit:
+        raise ValueError(f"N: the {kernel} supports at most {limit} nodes, got {n}")
+
+
+def check_blocks(blocks, cls: type) -> None:
+    """ValueError unless the ``blocks=`` knobs are a ``cls`` instance."""
+    if not isinstance(blocks, cls):
+        raise ValueError(f"blocks: a {cls.__name__}, got {type(blocks).__name__}")
+
+
+def default_scale(scale: float | None, dk: int) -> float:
+    """The query scale: ``K ** -0.5`` unless given."""
+    return dk**-0.5 if scale is None else float(scale)
 
 
 def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
@@ -75,6 +101,13 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pad, constant_values=value)
+
+
+def mask_path(path: jax.Array, path_len: jax.Array, size: int) -> jax.Array:
+    """int32 accepted paths ``[B, size]``: ``path [B, D]`` with the entries past ``path_len[b]``
+    set to -1, padded with -1 up to ``size`` columns."""
+    valid = jnp.arange(path.shape[1])[None, :] < path_len[:, None]
+    return pad_axis(jnp.where(valid, path, -1).astype(jnp.int32), 1, size, value=-1)
 
 
 def dot(a: jax.Array, b: jax.Array, precision, *, trans_a: bool = False, trans_b: bool = False):
@@ -167,8 +200,7 @@ class TreeLaunch(NamedTuple):
 def check_heads_dims(q, k, v, *, hk: int, dk: int, hv: int, dv: int) -> None:
     """ValueErrors for grouped heads that do not divide, non-power-of-two K / V and non-float
     q / k / v."""
-    if hv % hk:
-        raise ValueError(f"v: value heads Hv={hv} must be a multiple of key heads Hk={hk}")
+    check_grouped_heads(hk, hv)
     check_pow2_dim("K", dk)
     check_pow2_dim("V", dv)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -184,7 +216,7 @@ def prepare_tree_launch(q, k, v, g, beta, parents, *, scale, block_v: int) -> Tr
     npad = next_pow2(k.shape[1], 16)
     q, k, v, g, beta = (pad_axis(x, 1, npad) for x in (q, k, v, g, beta))
     parents = pad_axis(parents.astype(jnp.int32), 1, npad, value=-2)
-    scale = dk**-0.5 if scale is None else float(scale)
+    scale = default_scale(scale, dk)
     return TreeLaunch(
         q, k, v, g, beta, parents, npad=npad, bv=min(block_v, dv), grp=hv // hk, scale=scale
     )

@@ -64,7 +64,14 @@ from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
 from serving.kernels import ArenaKernels
 from serving.memory import MemoryManager
-from serving.memory.arena import Arena, _move_units, field_to_words, scatter_windows, words_to_field
+from serving.memory.arena import (
+    Arena,
+    check_arena_size,
+    field_to_words,
+    move_units,
+    scatter_windows,
+    words_to_field,
+)
 from serving.memory.layout import HybridLayout
 
 _R = P()
@@ -257,7 +264,7 @@ def _write_all(buf, seg, word, value):
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("words", "mesh"))
 def _move_all(buf, moves, count, *, words, mesh):
     def local(b, m, c):
-        return _move_units(b[0], m, c, words=words)[None]
+        return move_units(b[0], m, c, words=words)[None]
 
     return jax.shard_map(
         local, mesh=mesh, in_specs=(P(TENSOR), _R, _R), out_specs=P(TENSOR), check_vma=False
@@ -272,10 +279,7 @@ class ShardedArena(Arena):
     :meth:`write` writes the same value on every device. ``nbytes`` is one device's."""
 
     def __init__(self, num_segments: int, segment_words: int, placement: Placement):
-        if num_segments < 1 or segment_words < 1:
-            raise ValueError(
-                f"arena needs >= 1 segment of >= 1 word, got {num_segments} x {segment_words}"
-            )
+        check_arena_size(num_segments, segment_words)
         self.num_segments = num_segments
         self.segment_words = segment_words
         self.placement = placement
@@ -284,40 +288,14 @@ class ShardedArena(Arena):
             lambda: jnp.zeros(shape, jnp.uint32), out_shardings=placement.arena_sharding
         )()
 
-    def read(self, seg: int, word: int, field):
-        return _read_all(
-            self.buffer,
-            np.int32(seg),
-            np.int32(word + field.word_offset),
-            shape=field.shape,
-            dtype=field.dtype,
-            words=field.words,
-        )
+    def _read_at(self, seg, word, *, shape, dtype, words):
+        return _read_all(self.buffer, seg, word, shape=shape, dtype=dtype, words=words)
 
-    def write(self, seg: int, word: int, field, value) -> None:
-        self.buffer = _write_all(
-            self.buffer, np.int32(seg), np.int32(word + field.word_offset), value
-        )
+    def _write_at(self, seg, word, value) -> None:
+        self.buffer = _write_all(self.buffer, seg, word, value)
 
-    def read_words(self, seg: int, word: int, words: int):
-        return _read_all(
-            self.buffer,
-            np.int32(seg),
-            np.int32(word),
-            shape=(words,),
-            dtype=np.dtype(np.uint32),
-            words=words,
-        )
-
-    def move(self, moves: list[tuple[int, int, int, int]], words: int) -> None:
-        if not moves:
-            return
-        size = 1 << (len(moves) - 1).bit_length()
-        table = np.zeros((size, 4), np.int32)
-        table[: len(moves)] = moves
-        self.buffer = _move_all(
-            self.buffer, table, np.int32(len(moves)), words=words, mesh=self.placement.mesh
-        )
+    def _move_batch(self, table, count, words: int) -> None:
+        self.buffer = _move_all(self.buffer, table, count, words=words, mesh=self.placement.mesh)
 
 
 class ShardedMemoryManager(MemoryManager):

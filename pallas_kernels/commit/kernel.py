@@ -28,9 +28,11 @@ from pallas_kernels._wy import (
     L2NORM_EPS,
     DotBlocks,
     check_float,
+    check_max_nodes,
     check_pow2_dim,
     dot,
     dot_precision,
+    mask_path,
     masked_decay,
     next_pow2,
     pad_axis,
@@ -127,10 +129,7 @@ def prepare_commit_launch(
     powers of two >= 16 (path entries past ``path_len`` become -1), and builds the specs."""
     b, n, hk, dk = k.shape
     hv, dv = u.shape[2], u.shape[3]
-    if n > MAX_NODES:
-        raise ValueError(
-            f"N: the Pallas tree_commit kernel supports at most {MAX_NODES} nodes, got {n}"
-        )
+    check_max_nodes(n, MAX_NODES, "Pallas tree_commit kernel")
     check_pow2_dim("K", dk)
     check_pow2_dim("V", dv)
     check_float("k", k)
@@ -147,8 +146,7 @@ def prepare_commit_launch(
         )
     k, u, g_path = (pad_axis(x, 1, npad) for x in (k, u, g_path))
     dpad = next_pow2(path.shape[1], 16)
-    valid = jnp.arange(path.shape[1])[None, :] < path_len[:, None]
-    path = pad_axis(jnp.where(valid, path, -1).astype(jnp.int32), 1, dpad, value=-1)
+    path = mask_path(path, path_len, dpad)
     grp = hv // hk
     body = functools.partial(
         _kernel,

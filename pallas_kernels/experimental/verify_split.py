@@ -53,6 +53,8 @@ from pallas_kernels._wy import (
     F32,
     PRECISIONS,
     ancestor_closure,
+    check_blocks,
+    check_max_nodes,
     dot,
     dot_precision,
     masked_decay,
@@ -244,12 +246,8 @@ def _tree_operand(parents, ancestors, n: int, npad: int, blocks: SplitVerifyBloc
 
 
 def _check_common(n: int, blocks) -> None:
-    if n > MAX_NODES:
-        raise ValueError(
-            f"N: the Pallas tree_verify kernel supports at most {MAX_NODES} nodes, got {n}"
-        )
-    if not isinstance(blocks, SplitVerifyBlocks):
-        raise ValueError(f"blocks: a SplitVerifyBlocks, got {type(blocks).__name__}")
+    check_max_nodes(n, MAX_NODES, "Pallas tree_verify kernel")
+    check_blocks(blocks, SplitVerifyBlocks)
 
 
 def tree_verify_matrices(

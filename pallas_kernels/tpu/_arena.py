@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._arena import check_state_fits, check_table_handles
 from pallas_kernels.tpu._common import F32, LANES
 
 
@@ -45,20 +46,14 @@ def check_arena(arena, table, handles, b: int, offset: int, hv: int, dk: int, dv
     words = arena.shape[1] * (arena.shape[2] if arena.ndim == 3 else 1)
     if (arena.ndim == 3 and arena.shape[2] != LANES) or words % LANES:
         raise ValueError(f"arena: segments must be whole 128-word rows, got shape {arena.shape}")
-    if table.ndim != 2 or table.shape[1] != 2 or not jnp.issubdtype(table.dtype, jnp.integer):
-        raise ValueError(f"table: expected int [handles, 2], got {table.dtype} {table.shape}")
-    if handles.shape != (b,) or not jnp.issubdtype(handles.dtype, jnp.integer):
-        raise ValueError(f"handles: expected int [B] = ({b},), got {handles.dtype} {handles.shape}")
+    check_table_handles(table, handles, b)
     if dv != LANES:
         raise ValueError(
             f"V: the TPU arena kernels need V == {LANES} (a state row per lane row), got {dv}"
         )
     if offset < 0 or offset % LANES:
         raise ValueError(f"state_offset: a multiple of {LANES} words >= 0, got {offset}")
-    if offset + hv * dk * dv > words:
-        raise ValueError(
-            f"state_offset: {offset} + Hv*K*V = {hv * dk * dv} words must fit a segment of {words} words"
-        )
+    check_state_fits(offset, hv, dk, dv, words)
 
 
 def state_rows(handles_ref, table_ref, b, *, offset: int, first_row):

@@ -1,6 +1,8 @@
 """Pieces shared by the Mosaic TPU kernels: interpret parameters, dots with explicit bf16
-splits, row / column conversions, masked decays and the Newton-Schulz inverse, layout helpers,
+splits, row / column conversions and the Newton-Schulz inverse, layout helpers, input checks,
 VMEM budgets, and the Mosaic lowering of a function without a TPU (:func:`lower_for_tpu`).
+What the TPU and GPU kernels share on the host and in the math (padding, masked decays, dtype
+and head checks, path masks) is in :mod:`pallas_kernels._wy`.
 
 **Dots.** The MXU multiplies bf16 operands exactly and accumulates in f32. Every dot of the TPU
 kernels that has an f32 operand splits it into bf16 pieces itself (:func:`dot`), so the
@@ -33,17 +35,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-F32 = jnp.float32
+from pallas_kernels._wy import F32, L2NORM_EPS, check_float, check_grouped_heads
+
 BF16 = jnp.bfloat16
 LANES = 128
 SUBLANES = 8
-L2NORM_EPS = 1e-6
 MIB = 1 << 20
 VMEM_CAP = 64 * MIB
 VMEM_DEFAULT = 16 * MIB
 PASSES = {"bf16": 1, "bf16x3": 3, "bf16x6": 6}
 PIECES = {"bf16": 1, "bf16x3": 2, "bf16x6": 3}
-FLOAT_INPUTS = (jnp.dtype(F32), jnp.dtype(BF16), jnp.dtype(jnp.float16))
 
 
 def interpret_params(interpret: bool):
@@ -133,11 +134,6 @@ def row_scales(x: jax.Array, use_l2norm: bool, scale: float | None = None) -> ja
     return s * jax.lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) + L2NORM_EPS)
 
 
-def masked_decay(gi: jax.Array, gj: jax.Array, mask: jax.Array) -> jax.Array:
-    """``where(mask, exp(gi - gj), 0)``, the difference masked before ``exp``."""
-    return jnp.where(mask, jnp.exp(jnp.where(mask, gi - gj, 0.0)), 0.0)
-
-
 def newton_inverse(a: jax.Array, steps: int, precision: str) -> jax.Array:
     """``X ~ (I + A)^-1`` for strictly lower-triangular ``A (m, m)`` by Newton-Schulz:
     ``X <- X + X (I - (I + A) X)`` from ``X = I - A``; the residual ``(-A)^(2^j)`` is nilpotent,
@@ -161,16 +157,9 @@ def newton_steps(depth: int) -> int:
 # ----------------------------------------------------------------------------- layouts, VMEM
 
 
-def next_pow2(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(n - 1, 0).bit_length())
-
-
-def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
+def gbeta_pairs(g: jax.Array, beta: jax.Array) -> jax.Array:
+    """f32 ``(g, beta)`` pairs on a new last axis: ``[..., H]`` -> ``[..., H, 2]``."""
+    return jnp.stack([g.astype(F32), beta.astype(F32)], axis=-1)
 
 
 def head_major(x: jax.Array) -> jax.Array:
@@ -210,19 +199,20 @@ def compiler_params(name: str, need: int, semantics: Sequence[str]) -> pltpu.Com
     return pltpu.CompilerParams(dimension_semantics=tuple(semantics), vmem_limit_bytes=limit)
 
 
+def check_head_dim(name: str, d: int) -> None:
+    """ValueError for a head dim the TPU kernels do not take (a multiple of 8 in [8, 256])."""
+    if d < 8 or d > 256 or d % 8:
+        raise ValueError(f"{name}: the TPU kernels need a multiple of 8 in [8, 256], got {d}")
+
+
 def check_dims(q, k, v, *, hk: int, hv: int, dk: int, dv: int) -> None:
     """ValueErrors for grouped heads that do not divide, head dims the TPU kernels do not take
-    (multiples of 8 in [8, 256]) and non-float inputs."""
-    if hv % hk:
-        raise ValueError(f"v: value heads Hv={hv} must be a multiple of key heads Hk={hk}")
-    for name, d in (("K", dk), ("V", dv)):
-        if d < 8 or d > 256 or d % 8:
-            raise ValueError(f"{name}: the TPU kernels need a multiple of 8 in [8, 256], got {d}")
+    (:func:`check_head_dim`) and non-float inputs."""
+    check_grouped_heads(hk, hv)
+    check_head_dim("K", dk)
+    check_head_dim("V", dv)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if jnp.dtype(x.dtype) not in FLOAT_INPUTS:
-            raise ValueError(
-                f"{name}: the TPU kernels accept float32, bfloat16 or float16, got {x.dtype}"
-            )
+        check_float(name, x, "TPU")
 
 
 def lower_for_tpu(fn, *args, device_kind: str = "TPU v5 lite", num_cores: int = 1) -> str:

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._wy import F32, check_blocks, default_scale
 from pallas_kernels.tpu._common import (
-    F32,
     check_dims,
     compiler_params,
     dot,
+    gbeta_pairs,
     head_major,
     interpret_params,
     iota,
@@ -204,13 +205,12 @@ def chunk_gated_delta_rule(
         raise ValueError(
             f"chunk_size: the TPU chunk kernel takes one of {CHUNK_SIZES}, got {chunk_size}"
         )
-    if not isinstance(blocks, TpuChunkBlocks):
-        raise ValueError(f"blocks: a TpuChunkBlocks, got {type(blocks).__name__}")
+    check_blocks(blocks, TpuChunkBlocks)
     c = chunk_size
     grp = hv // hk
     s = blocks.solve.stacking(1, grp, c)[1]
     o_dtype = v.dtype
-    gb = jnp.stack([g.astype(F32), beta.astype(F32)], axis=-1)  # [B, T, Hv, 2]
+    gb = gbeta_pairs(g, beta)  # [B, T, Hv, 2]
     if cu_seqlens is None:
         rows, n_seq, ns = b, b, -(-t // c)
         tp = ns * c
@@ -257,7 +257,7 @@ def chunk_gated_delta_rule(
     kernel = functools.partial(
         _kernel,
         chunk=c,
-        scale=dk**-0.5 if scale is None else float(scale),
+        scale=default_scale(scale, dk),
         use_l2norm=use_qk_l2norm,
         blocks=blocks.solve,
     )

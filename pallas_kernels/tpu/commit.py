@@ -21,6 +21,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._wy import (
+    F32,
+    check_float,
+    check_grouped_heads,
+    check_max_nodes,
+    mask_path,
+    masked_decay,
+    next_pow2,
+    pad_axis,
+)
 from pallas_kernels.tpu._arena import (
     any_spec,
     check_arena,
@@ -30,17 +40,13 @@ from pallas_kernels.tpu._arena import (
     store_states,
 )
 from pallas_kernels.tpu._common import (
-    F32,
-    FLOAT_INPUTS,
+    check_head_dim,
     check_precision,
     compiler_params,
     dot,
     head_major,
     interpret_params,
     iota,
-    masked_decay,
-    next_pow2,
-    pad_axis,
     row_scales,
     to_col,
     vmem_bytes,
@@ -116,23 +122,14 @@ def prepare_commit(k, u, g_path, path, path_len) -> CommitLaunch:
     ``N`` padded to a power of two >= 16."""
     b, n, hk, dk = k.shape
     hv, dv = u.shape[2], u.shape[3]
-    if n > MAX_NODES:
-        raise ValueError(
-            f"N: the TPU tree_commit kernel supports at most {MAX_NODES} nodes, got {n}"
-        )
-    if hv % hk:
-        raise ValueError(f"u: value heads Hv={hv} must be a multiple of key heads Hk={hk}")
-    for name, d in (("K", dk), ("V", dv)):
-        if d < 8 or d > 256 or d % 8:
-            raise ValueError(f"{name}: the TPU kernels need a multiple of 8 in [8, 256], got {d}")
-    if jnp.dtype(k.dtype) not in FLOAT_INPUTS:
-        raise ValueError(f"k: the TPU kernels accept float32, bfloat16 or float16, got {k.dtype}")
+    check_max_nodes(n, MAX_NODES, "TPU tree_commit kernel")
+    check_grouped_heads(hk, hv, "u")
+    check_head_dim("K", dk)
+    check_head_dim("V", dv)
+    check_float("k", k, "TPU")
     npad = next_pow2(n, 16)
     k, u, g_path = (pad_axis(x, 1, npad) for x in (k, u, g_path))
-    d = path.shape[1]
-    valid = jnp.arange(d)[None, :] < path_len[:, None]
-    path = jnp.where(valid, path, -1).astype(jnp.int32)
-    path = pad_axis(path, 1, max(d, 1), value=-1)
+    path = mask_path(path, path_len, max(path.shape[1], 1))
     gp = head_major(g_path.astype(F32))[:, :, None, :]
     return CommitLaunch(
         head_major(k),

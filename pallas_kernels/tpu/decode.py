@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._wy import F32, default_scale, pad_axis, prep_rows
 from pallas_kernels.tpu._arena import (
     any_spec,
     check_arena,
@@ -34,13 +35,11 @@ from pallas_kernels.tpu._arena import (
     store_states,
 )
 from pallas_kernels.tpu._common import (
-    F32,
-    L2NORM_EPS,
     check_dims,
     compiler_params,
+    gbeta_pairs,
     head_major,
     interpret_params,
-    pad_axis,
     to_col,
     vmem_bytes,
 )
@@ -48,18 +47,11 @@ from pallas_kernels.tpu._common import (
 BLOCK_T = 64
 
 
-def _prep(x, use_l2norm: bool, scale=None):
-    """A ``(1, K)`` f32 row, l2-normalised and scaled as the rule says."""
-    if use_l2norm:
-        x = x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2NORM_EPS)
-    return x if scale is None else x * scale
-
-
 def token_step(s, q, k, v, gbeta, *, use_l2norm, scale):
     """One token on a ``(K, V)`` f32 state: raw rows ``q, k (1, K)``, ``v (1, V)``, ``gbeta
     (1, 2)``. Returns ``(S, o (1, V))``."""
-    kc = to_col(_prep(k, use_l2norm))  # (K, 1)
-    qc = to_col(_prep(q, use_l2norm, scale))
+    kc = to_col(prep_rows(k, use_l2norm))  # (K, 1)
+    qc = to_col(prep_rows(q, use_l2norm, scale))
     s = s * jnp.exp(gbeta[:, 0:1])
     u = gbeta[:, 1:2] * (v - jnp.sum(kc * s, axis=0, keepdims=True))
     s = s + kc * u
@@ -121,9 +113,8 @@ def recurrent(
     bt = -(-bt // 8) * 8 if bt < t else t
     tp = -(-t // bt) * bt
     q, k, v = (pad_axis(head_major(x.astype(F32)), 2, tp) for x in (q, k, v))
-    gb = jnp.stack([g.astype(F32), beta.astype(F32)], axis=-1)  # [B, T, Hv, 2]
-    gb = pad_axis(head_major(gb), 2, tp)
-    scale = dk**-0.5 if scale is None else float(scale)
+    gb = pad_axis(head_major(gbeta_pairs(g, beta)), 2, tp)  # [B, Hv, T, 2]
+    scale = default_scale(scale, dk)
     qk_spec = pl.BlockSpec((None, None, bt, dk), lambda i, h, j: (i, h // grp, j, 0))
     v_spec = pl.BlockSpec((None, None, bt, dv), lambda i, h, j: (i, h, j, 0))
     gb_spec = pl.BlockSpec((None, None, bt, 2), lambda i, h, j: (i, h, j, 0))
@@ -195,10 +186,10 @@ def recurrent_step_arena(
     check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
     zs = jnp.zeros((b,), jnp.int32) if zero_state is None else zero_state.astype(jnp.int32)
     grp = hv // hk
-    scale = dk**-0.5 if scale is None else float(scale)
+    scale = default_scale(scale, dk)
     o_dtype = v.dtype
     q, k, v = (x.astype(F32)[:, :, None, :] for x in (q, k, v))
-    gb = jnp.stack([g.astype(F32), beta.astype(F32)], axis=-1)[:, :, None, :]  # [B, Hv, 1, 2]
+    gb = gbeta_pairs(g, beta)[:, :, None, :]  # [B, Hv, 1, 2]
 
     def kernel(hd_ref, tab_ref, zs_ref, q_ref, k_ref, v_ref, gb_ref, ar_ref, o_ref, out_ref, buf):
         i, h = pl.program_id(0), pl.program_id(1)

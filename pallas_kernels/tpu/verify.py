@@ -46,10 +46,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._arena import Value
+from pallas_kernels._wy import (
+    F32,
+    check_blocks,
+    check_max_nodes,
+    default_scale,
+    masked_decay,
+    next_pow2,
+    pad_axis,
+)
 from pallas_kernels.tpu._arena import any_spec, check_arena, lane_rows, load_states, state_rows
 from pallas_kernels.tpu._common import (
     BF16,
-    F32,
     check_dims,
     check_precision,
     compiler_params,
@@ -58,11 +67,8 @@ from pallas_kernels.tpu._common import (
     head_major,
     interpret_params,
     iota,
-    masked_decay,
     newton_inverse,
     newton_steps,
-    next_pow2,
-    pad_axis,
     row_scales,
     split,
     to_row,
@@ -266,12 +272,8 @@ def prepare_verify(q, k, v, g, beta, parents, *, scale, blocks: TpuVerifyBlocks)
     stacks the per-node rows and ancestor masks of each program's systems."""
     b, n, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
-    if n > MAX_NODES:
-        raise ValueError(
-            f"N: the TPU tree_verify kernel supports at most {MAX_NODES} nodes, got {n}"
-        )
-    if not isinstance(blocks, TpuVerifyBlocks):
-        raise ValueError(f"blocks: a TpuVerifyBlocks, got {type(blocks).__name__}")
+    check_max_nodes(n, MAX_NODES, "TPU tree_verify kernel")
+    check_blocks(blocks, TpuVerifyBlocks)
     check_dims(q, k, v, hk=hk, hv=hv, dk=dk, dv=dv)
     npad = next_pow2(n, 16)
     grp = hv // hk
@@ -289,7 +291,7 @@ def prepare_verify(q, k, v, g, beta, parents, *, scale, blocks: TpuVerifyBlocks)
     steps = sum(
         (depth > (1 << j)).astype(jnp.int32) for j in range(1, max(npad - 1, 1).bit_length())
     )
-    scale = dk**-0.5 if scale is None else float(scale)
+    scale = default_scale(scale, dk)
     return VerifyLaunch(
         head_major(q),
         head_major(k),
@@ -416,17 +418,6 @@ def tree_verify(
         name="gdn_tree_verify_tpu",
     )(t.steps, t.q, t.k, t.v, t.g, t.beta, t.anc, initial_state.astype(F32))
     return finish_verify(t, o, u, gp)
-
-
-class Value:
-    """Stands in for a ref whose whole block is a value already loaded (``ref[...]``)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __getitem__(self, idx):
-        assert idx is Ellipsis
-        return self.value
 
 
 @functools.partial(

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._arena import Value, check_arena, load_state, tile_address, whole
-from pallas_kernels._wy import prepare_tree_launch
+from pallas_kernels._wy import check_max_nodes, prepare_tree_launch
 from pallas_kernels.verify.kernel import (
     DEFAULT_VERIFY_BLOCKS,
     MAX_NODES,
@@ -50,8 +50,7 @@ def tree_verify(
     hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
     if blocks.mode != "refine" or blocks.ancestors_input:
         raise ValueError("blocks: the arena verify runs the 'refine' kernel on parent ids")
-    if n > MAX_NODES:
-        raise ValueError(f"N: the arena verify supports at most {MAX_NODES} nodes, got {n}")
+    check_max_nodes(n, MAX_NODES, "arena verify")
     check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
     if not interpret:

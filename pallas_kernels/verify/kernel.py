@@ -41,6 +41,8 @@ from pallas_kernels._wy import (
     F32,
     PRECISIONS,
     ancestor_closure,
+    check_blocks,
+    check_max_nodes,
     dot,
     dot_precision,
     masked_decay,
@@ -452,12 +454,8 @@ def tree_verify(
     """
     b, n, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
-    if n > MAX_NODES:
-        raise ValueError(
-            f"N: the Pallas tree_verify kernel supports at most {MAX_NODES} nodes, got {n}"
-        )
-    if not isinstance(blocks, VerifyBlocks):
-        raise ValueError(f"blocks: a VerifyBlocks, got {type(blocks).__name__}")
+    check_max_nodes(n, MAX_NODES, "Pallas tree_verify kernel")
+    check_blocks(blocks, VerifyBlocks)
     t = prepare_tree_launch(q, k, v, g, beta, parents, scale=scale, block_v=blocks.block_v)
     if not interpret:
         check_gpu_limits(blocks, n, dk, dv, q.dtype, k.dtype)

@@ -11,7 +11,7 @@ Addresses are ``(segment, word)`` pairs of int32: a 2-D buffer keeps both indice
 Jittable access: :func:`view` reads one field of one handle through the device table;
 :func:`gather_windows` / :func:`scatter_windows` read / write one window of words per row of a
 batch of addresses; :func:`words_to_field` / :func:`field_to_words` convert between words and
-typed values.
+typed values; :func:`move_units` copies a batch of units (:func:`move_table` pads the batch).
 """
 
 from __future__ import annotations
@@ -93,9 +93,27 @@ def _write_words(buf, seg, word, value):
     return lax.dynamic_update_slice(buf, field_to_words(value)[None], (seg, word))
 
 
+def check_arena_size(num_segments: int, segment_words: int) -> None:
+    """ValueError for an arena of no segment or of empty segments."""
+    if num_segments < 1 or segment_words < 1:
+        raise ValueError(
+            f"arena needs >= 1 segment of >= 1 word, got {num_segments} x {segment_words}"
+        )
+
+
+def move_table(moves: list[tuple[int, int, int, int]]) -> tuple[np.ndarray, np.int32]:
+    """``(table int32 [size, 4], count)`` for :func:`move_units`: the ``moves`` padded with
+    zero rows to a power of two, so a handful of compiled programs serve every batch size."""
+    size = 1 << (len(moves) - 1).bit_length()
+    table = np.zeros((size, 4), np.int32)
+    table[: len(moves)] = moves
+    return table, np.int32(len(moves))
+
+
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("words",))
-def _move_units(buf, moves, count, *, words):
-    """Copy ``count`` units of ``words`` words: ``moves[i] = (src_seg, src_w, dst_seg, dst_w)``.
+def move_units(buf, moves, count, *, words):
+    """Copy ``count`` units of ``words`` words of the arena buffer ``buf [segments, words]``
+    (donated: in place): ``moves[i] = (src_seg, src_w, dst_seg, dst_w)`` (:func:`move_table`).
 
     Sources and destinations never overlap (a compaction moves live units out of the segments
     it evacuates into free units of segments it keeps), so the order of the copies is free.
@@ -121,13 +139,14 @@ def view(buffer: jax.Array, table: jax.Array, handle: jax.Array, field: Field) -
 
 
 class Arena:
-    """One device buffer of ``num_segments * segment_words`` words, updated in place."""
+    """One device buffer of ``num_segments * segment_words`` words, updated in place.
+
+    :meth:`read`, :meth:`write`, :meth:`read_words` and :meth:`move` run through three jitted
+    functions on the buffer (:meth:`_read_at`, :meth:`_write_at`, :meth:`_move_batch`), which
+    an arena of another buffer layout overrides."""
 
     def __init__(self, num_segments: int, segment_words: int, device: jax.Device | None = None):
-        if num_segments < 1 or segment_words < 1:
-            raise ValueError(
-                f"arena needs >= 1 segment of >= 1 word, got {num_segments} x {segment_words}"
-            )
+        check_arena_size(num_segments, segment_words)
         self.num_segments = num_segments
         self.segment_words = segment_words
         self.buffer = jnp.zeros((num_segments, segment_words), jnp.uint32, device=device)
@@ -136,9 +155,20 @@ class Arena:
     def nbytes(self) -> int:
         return self.num_segments * self.segment_words * WORD_BYTES
 
+    def _read_at(self, seg, word, *, shape, dtype, words) -> jax.Array:
+        """``words`` words at ``(seg, word)`` as a ``shape`` array of ``dtype``."""
+        return _read_field(self.buffer, seg, word, shape=shape, dtype=dtype, words=words)
+
+    def _write_at(self, seg, word, value) -> None:
+        """Writes ``value``'s words at ``(seg, word)``."""
+        self.buffer = _write_words(self.buffer, seg, word, value)
+
+    def _move_batch(self, table, count, words: int) -> None:
+        """Copies units as :func:`move_units` with a :func:`move_table`."""
+        self.buffer = move_units(self.buffer, table, count, words=words)
+
     def read(self, seg: int, word: int, field: Field) -> jax.Array:
-        return _read_field(
-            self.buffer,
+        return self._read_at(
             np.int32(seg),
             np.int32(word + field.word_offset),
             shape=field.shape,
@@ -147,26 +177,14 @@ class Arena:
         )
 
     def write(self, seg: int, word: int, field: Field, value: jax.Array) -> None:
-        self.buffer = _write_words(
-            self.buffer, np.int32(seg), np.int32(word + field.word_offset), value
-        )
+        self._write_at(np.int32(seg), np.int32(word + field.word_offset), value)
 
     def read_words(self, seg: int, word: int, words: int) -> jax.Array:
-        return _read_field(
-            self.buffer,
-            np.int32(seg),
-            np.int32(word),
-            shape=(words,),
-            dtype=np.dtype(np.uint32),
-            words=words,
+        return self._read_at(
+            np.int32(seg), np.int32(word), shape=(words,), dtype=np.dtype(np.uint32), words=words
         )
 
     def move(self, moves: list[tuple[int, int, int, int]], words: int) -> None:
         """Copy units of ``words`` words on device, one jitted call for the whole batch."""
-        if not moves:
-            return
-        # Pad to a power of two so a handful of compiled programs serve every batch size.
-        size = 1 << (len(moves) - 1).bit_length()
-        table = np.zeros((size, 4), np.int32)
-        table[: len(moves)] = moves
-        self.buffer = _move_units(self.buffer, table, np.int32(len(moves)), words=words)
+        if moves:
+            self._move_batch(*move_table(moves), words)

@@ -9,7 +9,7 @@ import numpy as np
 
 from pallas_kernels import tpu
 from tests.gdn_jax.reference import rel_err, tree64
-from tests.pallas_kernels.common import place_states, tree_inputs
+from tests.pallas_kernels.common import place_states, read_states, tree_inputs
 
 F32_TOL = 1e-4  # every TPU kernel against float64, f32 inputs
 BF16_O_TOL = 1e-2  # bf16 outputs: their own rounding
@@ -57,6 +57,22 @@ def arena_with(states, rng):
     return arena, dense
 
 
+def arena_operands(arena):
+    """``(arena, table, handles)`` of an arena kernel call: ``arena`` from :func:`arena_with`,
+    the test table and handles."""
+    return jnp.asarray(arena), jnp.asarray(TABLE), jnp.asarray(HANDLES)
+
+
+def assert_arena_states(out, arena, want):
+    """The arena ``out`` an arena kernel returned holds ``want[b]`` bit for bit at each valid
+    row's state, and every other word as in the ``arena`` it was given."""
+    states, other = read_states(np.asarray(out), TABLE, HANDLES, OFFSET, (HV, K, V))
+    for r, s in enumerate(states):
+        if s is not None:
+            np.testing.assert_array_equal(s, np.asarray(want[r]))
+    np.testing.assert_array_equal(np.asarray(out)[other], arena[other])
+
+
 def lowers(fn, *shapes, device_kind="TPU v5 lite") -> bool:
     """Whether ``fn`` lowers to Mosaic for a TPU (one ``tpu_custom_call`` at least)."""
     return "tpu_custom_call" in tpu.lower_for_tpu(fn, *shapes, device_kind=device_kind)
@@ -64,3 +80,9 @@ def lowers(fn, *shapes, device_kind="TPU v5 lite") -> bool:
 
 def shapes(*specs):
     return [jax.ShapeDtypeStruct(s, d) for s, d in specs]
+
+
+def arena_shapes(b: int):
+    """Abstract ``(arena, table, handles)`` for the lowering checks: a lane-row arena, eight
+    handles' table entries and ``b`` handles."""
+    return shapes(((4, 1024, 128), jnp.uint32), ((8, 2), jnp.int32), ((b,), jnp.int32))

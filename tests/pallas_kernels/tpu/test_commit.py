@@ -11,18 +11,18 @@ import pytest
 
 from pallas_kernels import tpu
 from tests.gdn_jax.reference import rel_err, tree_paths
-from tests.pallas_kernels.common import read_states
 from tests.pallas_kernels.tpu.common import (
     F32_TOL,
-    HANDLES,
     HK,
     HV,
     OFFSET,
-    TABLE,
     TREE,
     K,
     V,
+    arena_operands,
+    arena_shapes,
     arena_with,
+    assert_arena_states,
     lowers,
     shapes,
     verify,
@@ -56,17 +56,13 @@ def test_arena_in_place():
     plen = jnp.asarray(np.array([3, 2, 0], np.int32))
     arena, dense = arena_with(rng.standard_normal((b, HV, K, V)), rng)
     out = tpu.tree_commit_arena(
-        jnp.asarray(arena), jnp.asarray(TABLE), jnp.asarray(HANDLES), k, u, gp, path, plen,
+        *arena_operands(arena), k, u, gp, path, plen,
         state_offset=OFFSET, use_qk_l2norm=True, interpret=True,
     )  # fmt: skip
     want = tpu.tree_commit(
         jnp.asarray(dense), k, u, gp, path, plen, use_qk_l2norm=True, interpret=True
     )
-    states, other = read_states(np.asarray(out), TABLE, HANDLES, OFFSET, (HV, K, V))
-    for r, s in enumerate(states):
-        if s is not None:
-            np.testing.assert_array_equal(s, np.asarray(want[r]))
-    np.testing.assert_array_equal(np.asarray(out)[other], arena[other])
+    assert_arena_states(out, arena, want)
 
 
 def test_lowers():
@@ -81,6 +77,5 @@ def test_lowers():
         ((b,), jnp.int32),
     )
     assert lowers(lambda *a: tpu.tree_commit(*a, use_qk_l2norm=True), *args)
-    arena = shapes(((4, 1024, 128), jnp.uint32), ((8, 2), jnp.int32), ((b,), jnp.int32))
     fn = lambda *a: tpu.tree_commit_arena(*a, state_offset=128, use_qk_l2norm=True)
-    assert lowers(fn, *arena, *args[1:])
+    assert lowers(fn, *arena_shapes(b), *args[1:])

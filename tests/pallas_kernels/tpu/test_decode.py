@@ -11,17 +11,17 @@ import pytest
 from pallas_kernels import tpu
 from tests.gdn_jax.reference import recurrent64, rel_err
 from tests.gdn_jax.strategies import make_inputs
-from tests.pallas_kernels.common import read_states
 from tests.pallas_kernels.tpu.common import (
     F32_TOL,
-    HANDLES,
     HK,
     HV,
     OFFSET,
-    TABLE,
     K,
     V,
+    arena_operands,
+    arena_shapes,
     arena_with,
+    assert_arena_states,
     lowers,
     shapes,
 )
@@ -46,18 +46,14 @@ def test_arena_step_in_place():
     fresh = np.array([False, False, True])
     dense[fresh] = 0.0
     o, out = tpu.recurrent_step_arena(
-        q, k, v, g, beta, jnp.asarray(arena), jnp.asarray(TABLE), jnp.asarray(HANDLES),
+        q, k, v, g, beta, *arena_operands(arena),
         state_offset=OFFSET, use_qk_l2norm=True, zero_state=jnp.asarray(fresh), interpret=True,
     )  # fmt: skip
     o_d, s_d = tpu.recurrent_step(
         q, k, v, g, beta, jnp.asarray(dense), use_qk_l2norm=True, interpret=True
     )
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_d))
-    states, other = read_states(np.asarray(out), TABLE, HANDLES, OFFSET, (HV, K, V))
-    for r, s in enumerate(states):
-        if s is not None:
-            np.testing.assert_array_equal(s, np.asarray(s_d[r]))
-    np.testing.assert_array_equal(np.asarray(out)[other], arena[other])
+    assert_arena_states(out, arena, s_d)
 
 
 def test_lowers():
@@ -67,5 +63,5 @@ def test_lowers():
     assert lowers(
         lambda *a: tpu.recurrent_step(*a, use_qk_l2norm=True), *one, *shapes(((b, hv, d, d), f))
     )
-    arena = shapes(((4, 1024, 128), jnp.uint32), ((8, 2), jnp.int32), ((b,), jnp.int32))
-    assert lowers(lambda *a: tpu.recurrent_step_arena(*a, state_offset=128), *one, *arena)
+    fn = lambda *a: tpu.recurrent_step_arena(*a, state_offset=128)
+    assert lowers(fn, *one, *arena_shapes(b))

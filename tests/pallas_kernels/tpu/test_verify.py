@@ -15,14 +15,14 @@ from pallas_kernels import tpu
 from tests.gdn_jax.strategies import make_tree
 from tests.pallas_kernels.common import tree_inputs
 from tests.pallas_kernels.tpu.common import (
-    HANDLES,
     HK,
     HV,
     OFFSET,
-    TABLE,
     TREE,
     K,
     V,
+    arena_operands,
+    arena_shapes,
     arena_with,
     lowers,
     shapes,
@@ -75,7 +75,7 @@ def test_arena_matches_dense():
     arena, dense = arena_with(rng.standard_normal((3, HV, K, V)), rng)
     par = jnp.asarray(parents)
     got = tpu.tree_verify_arena(
-        q, k, v, g, beta, par, jnp.asarray(arena), jnp.asarray(TABLE), jnp.asarray(HANDLES),
+        q, k, v, g, beta, par, *arena_operands(arena),
         state_offset=OFFSET, use_qk_l2norm=True, interpret=True,
     )  # fmt: skip
     want = tpu.tree_verify(
@@ -85,59 +85,40 @@ def test_arena_matches_dense():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_bad_inputs_raise():
-    z = lambda *s: jnp.zeros(s)
-    par = jnp.arange(8, dtype=jnp.int32)[None] - 1
-    s0 = z(1, 2, 16, 16)
-    with pytest.raises(ValueError, match="at most 128 nodes"):
-        tpu.tree_verify(
-            z(1, 129, 1, 16),
-            z(1, 129, 1, 16),
-            z(1, 129, 2, 16),
-            z(1, 129, 2),
-            z(1, 129, 2),
-            jnp.zeros((1, 129), jnp.int32),
-            s0,
-        )
-    with pytest.raises(ValueError, match="K: .*multiple of 8"):
-        tpu.tree_verify(
-            z(1, 8, 1, 12),
-            z(1, 8, 1, 12),
-            z(1, 8, 2, 16),
-            z(1, 8, 2),
-            z(1, 8, 2),
-            par,
-            z(1, 2, 12, 16),
-        )
-    with pytest.raises(ValueError, match="multiple of key heads"):
-        tpu.tree_verify(
-            z(1, 8, 2, 16),
-            z(1, 8, 2, 16),
-            z(1, 8, 3, 16),
-            z(1, 8, 3),
-            z(1, 8, 3),
-            par,
-            z(1, 3, 16, 16),
-        )
-    with pytest.raises(ValueError, match="blocks.heads"):
-        tpu.tree_verify(
-            z(1, 8, 1, 16),
-            z(1, 8, 1, 16),
-            z(1, 8, 2, 16),
-            z(1, 8, 2),
-            z(1, 8, 2),
-            par,
-            s0,
-            blocks=tpu.TpuVerifyBlocks(heads=3),
-        )
+def zero_tree(n: int, hk: int, hv: int, dk: int, dv: int = 16):
+    """Zero ``q, k, v, g, beta`` of one row of ``n`` nodes and a chain's ``parents``."""
+    par = jnp.arange(n, dtype=jnp.int32)[None] - 1
+    return (
+        jnp.zeros((1, n, hk, dk)),
+        jnp.zeros((1, n, hk, dk)),
+        jnp.zeros((1, n, hv, dv)),
+        jnp.zeros((1, n, hv)),
+        jnp.zeros((1, n, hv)),
+        par,
+    )
+
+
+@pytest.mark.parametrize(
+    "n, hk, hv, dk, blocks, match",
+    [
+        (129, 1, 2, 16, None, "at most 128 nodes"),
+        (8, 1, 2, 12, None, "K: .*multiple of 8"),
+        (8, 2, 3, 16, None, "multiple of key heads"),
+        (8, 1, 2, 16, tpu.TpuVerifyBlocks(heads=3), "blocks.heads"),
+    ],
+    ids=["nodes", "head-dim", "grouped-heads", "stacked-heads"],
+)
+def test_bad_inputs_raise(n, hk, hv, dk, blocks, match):
+    s0 = jnp.zeros((1, hv, dk, 16))
+    blocks = blocks or tpu.TpuVerifyBlocks()
+    with pytest.raises(ValueError, match=match):
+        tpu.tree_verify(*zero_tree(n, hk, hv, dk), s0, blocks=blocks)
+
+
+def test_bad_arena_and_blocks_raise():
     with pytest.raises(ValueError, match="V: the TPU arena kernels need V == 128"):
         tpu.tree_verify_arena(
-            z(1, 8, 1, 16),
-            z(1, 8, 1, 16),
-            z(1, 8, 2, 16),
-            z(1, 8, 2),
-            z(1, 8, 2),
-            par,
+            *zero_tree(8, 1, 2, 16),
             jnp.zeros((2, 4096), jnp.uint32),
             jnp.zeros((2, 2), jnp.int32),
             jnp.zeros((1,), jnp.int32),
@@ -170,6 +151,5 @@ def test_lowers_at_qwen_dims(device_kind, mxu_rows):
         *dense,
         device_kind=device_kind,
     )
-    arena = shapes(((4, 1024, 128), jnp.uint32), ((8, 2), jnp.int32), ((b,), jnp.int32))
     fn = lambda *a: tpu.tree_verify_arena(*a, state_offset=128, use_qk_l2norm=True, blocks=blocks)
-    assert lowers(fn, *dense[:6], *arena, device_kind=device_kind)
+    assert lowers(fn, *dense[:6], *arena_shapes(b), device_kind=device_kind)
