@@ -37,6 +37,12 @@
 #   arena_read_prefill  arena_read: a prefill chunk's GDN states through the arena
 #   parallel_397b_shard parallel_397b: one device's TP 8 / EP 8 shard of Qwen3.5-397B-A17B
 #                       (cut to 4 and 8 layers, B 1/16/64, plain and tree WY), then the table
+#   serving_load        serving_load: Qwen3.5-35B-A3B, 40 layers, random bf16 weights, Poisson
+#                       rate sweep with replayed drafts; one call per WORKLOAD (sharegpt) and
+#                       METHODS (none; comma list), RATES optional ('sharegpt=1,4,inf'), LIMIT
+#                       (560 s); the oracle continuations are cached in $OUT/serving_load/oracle
+#                       (seeded from benchmarks/results/serving_load/oracle when present)
+#   serving_load_policies serving_load: the memory policies on the shifting workload (tree WY)
 set -u
 OUT=${OUT:-/tmp/benchmarks_out}
 export PYTHONUNBUFFERED=1
@@ -176,6 +182,21 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
   parallel_397b_shard)
     TAILN=20 run 560 parallel_397b shard_h200 python3 -m benchmarks.parallel_397b shard \
       --json "$(json parallel_397b shard_h200)"
+    ;;
+  serving_load | serving_load_policies)
+    local wl=${WORKLOAD:-sharegpt} ms=${METHODS:-none} oracle=$OUT/serving_load/oracle
+    mkdir -p "$oracle"
+    cp benchmarks/results/serving_load/oracle/*.json "$oracle"/ 2> /dev/null
+    local args=(--preset full --oracle-dir "$oracle")
+    local name=h200_${wl}_${ms//,/_}
+    if [ "$1" = serving_load_policies ]; then
+      args+=(--policies only)
+      name=h200_policies
+    else
+      args+=(--policies no --workloads "$wl" --methods "$ms" ${RATES:+--rates "$RATES"})
+    fi
+    TAILN=24 run "${LIMIT:-560}" serving_load "$name" python3 -m benchmarks.serving_load \
+      "${args[@]}" --json "$(json serving_load "$name")"
     ;;
   *)
     echo "unknown step: $1 (the steps are listed at the top of $0)" >&2

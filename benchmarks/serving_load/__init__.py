@@ -1,0 +1,1 @@
+"""The serving engine under load (``python -m benchmarks.serving_load``): see ``README.md``."""

@@ -1,0 +1,212 @@
+"""The serving engine under load: Poisson arrivals swept from light load to saturation, every
+speculative method fed the same replayed drafts, and the memory policies on one engine.
+
+    python -m benchmarks.serving_load --preset smoke --json benchmarks/results/serving_load/cpu_smoke.json
+    python -m benchmarks.serving_load --preset full --workloads sharegpt --methods none,tree_wy \\
+        --json OUT.json                                       # one H200 (benchmarks/device.sh)
+    python -m benchmarks.serving_load plot A.json B.json --out DIR   # merge runs, plot
+
+See benchmarks/serving_load/README.md for the workloads, the replay drafter and the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import fmt_bytes, log, write_json
+from benchmarks.serving_load import report
+from benchmarks.serving_load.replay import ReplayParams, calibrate, chain_acceptance
+from benchmarks.serving_load.run import (
+    auto_budget,
+    finite,
+    make_llm,
+    model_for,
+    oracle_pass,
+    policy_study,
+    run_method,
+    warm_up,
+)
+from benchmarks.serving_load.workload import PRESETS, make_workload, methods
+
+
+def _rates(spec: str | None, default: dict) -> dict:
+    """``'sharegpt=1,2,inf;longctx=0.1,inf'`` over the preset's rates."""
+    out = dict(default)
+    for part in filter(None, (spec or "").split(";")):
+        name, vals = part.split("=")
+        out[name] = tuple(float(v) for v in vals.split(","))
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    ap.add_argument("--workloads", help="comma list of sharegpt,longctx (default: the preset's)")
+    ap.add_argument("--methods", help=f"comma list (default: the preset's) of {list(methods())}")
+    ap.add_argument("--rates", help="per workload, e.g. 'sharegpt=1,4,inf;longctx=0.1,inf'")
+    ap.add_argument("--requests", type=int, help="requests per workload (default: the preset's)")
+    ap.add_argument("--num-layers", type=int, help="cut the config to this many layers")
+    ap.add_argument("--memory-budget", help="arena bytes, or 'auto' (what the device has left)")
+    ap.add_argument(
+        "--policies",
+        choices=("yes", "no", "only"),
+        default="yes",
+        help="run the memory-policy comparison (on the shift workload)",
+    )
+    ap.add_argument(
+        "--target-accept",
+        type=float,
+        default=3.0,
+        help="mean tokens per step of the chain that calibrates p_1",
+    )
+    ap.add_argument("--decay", type=float, default=0.9, help="p_d = p_1 * decay^(d-1)")
+    ap.add_argument(
+        "--sibling-hit",
+        type=float,
+        default=0.25,
+        help="geometric rank offset of a true token not ranked first (0: absent)",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--oracle-dir", help="cache of the oracle continuations (JSON per workload)")
+    ap.add_argument("--json", help="write the results here (plots beside it)")
+    ap.add_argument("--no-plots", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "plot":
+        return _plot_main(argv[1:])
+    args = _parser().parse_args(argv)
+    t_start = time.perf_counter()
+    preset = dict(PRESETS[args.preset])
+    if args.workloads:
+        preset["workloads"] = tuple(args.workloads.split(","))
+    if args.methods:
+        preset["methods"] = tuple(args.methods.split(","))
+    if args.requests:
+        preset["requests"] = {k: args.requests for k in preset["requests"]}
+    if args.num_layers:
+        preset["num_layers"] = args.num_layers
+    if args.memory_budget:
+        mb = args.memory_budget
+        preset["memory_budget"] = mb if mb == "auto" else int(float(mb))
+    rates = _rates(args.rates, preset["rates"])
+    table = methods(tuple(preset["tree"]), preset["chain"], tuple(preset["wide"]))
+    unknown = [m for m in preset["methods"] if m not in table]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; known: {list(table)}")
+    p1 = calibrate(args.target_accept, preset["chain"], args.decay)
+    replay = ReplayParams(p1, args.decay, args.sibling_hit, args.seed)
+    log(f"replay drafter: p_1 = {p1:.4f}, decay {args.decay}, sibling_hit {args.sibling_hit}")
+
+    model = model_for(preset)
+    vocab = model.config.vocab_size
+    budget = preset["memory_budget"]
+    if budget == "auto":
+        budget = auto_budget()
+    log(f"model {preset['model']} loaded; arena budget {fmt_bytes(budget)}")
+    names = list(preset["workloads"] if args.policies != "only" else ())
+    if args.policies != "no":
+        names.append("shift")
+    workloads = {w: make_workload(w, preset, vocab, args.seed) for w in names}
+
+    # the oracle pass: plain greedy decoding of every request, once per workload
+    t0 = time.perf_counter()
+    plain = make_llm(model, preset, table["none"], budget)
+    warm_up(plain, preset, vocab)
+    tag = f"{preset['model']}/{preset.get('num_layers')}/{preset['dtype']}/{preset['kernels']}"
+    oracles = {}
+    for name, wl in workloads.items():
+        cache = Path(args.oracle_dir) / f"{args.preset}_{name}.json" if args.oracle_dir else None
+        oracles[name] = oracle_pass(plain, wl, cache, tag)
+    del plain
+    gc.collect()
+    oracle_s = time.perf_counter() - t0
+    log(f"oracle pass: {oracle_s:.1f} s")
+
+    rows = []
+    served = [workloads[w] for w in preset["workloads"]] if args.policies != "only" else []
+    for key in preset["methods"] if served else ():
+        rows += run_method(model, preset, table[key], served, oracles, replay, budget, rates, vocab)
+    policies = None
+    if args.policies != "no":
+        m = table[preset["avmp_method"]]
+        policies = policy_study(
+            model,
+            preset,
+            m,
+            workloads["shift"],
+            oracles["shift"],
+            replay,
+            budget,
+            preset["shift_rate"],
+        )
+    for r in rows + (policies["rows"] if policies else []):
+        r["rate"] = finite(r["rate"])
+    if policies:
+        policies["rate"] = finite(preset["shift_rate"])
+    doc = {
+        "benchmark": "serving_load",
+        "preset": args.preset,
+        "clock": "step clock: measured wall time of each engine step, idle gaps skipped",
+        "config": {
+            k: finite(v) if isinstance(v, float) else v for k, v in preset.items() if k != "rates"
+        },
+        "rates": {k: [finite(x) for x in v] for k, v in rates.items()},
+        "memory_budget_bytes": budget,
+        "replay": {
+            "p1": p1,
+            "decay": args.decay,
+            "sibling_hit": args.sibling_hit,
+            "seed": args.seed,
+            "chain_depth": preset["chain"],
+            "expected_chain_acceptance": chain_acceptance(p1, args.decay, preset["chain"]),
+        },
+        "workloads": {k: w.params() for k, w in workloads.items()},
+        "oracle_s": oracle_s,
+        "rows": rows,
+        "policies": policies,
+    }
+    doc["wall_s"] = time.perf_counter() - t_start
+    print(report.tables(doc))
+    print(f"# wall time {doc['wall_s']:.1f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.json, doc)
+        if not args.no_plots:
+            stem = Path(args.json).stem
+            for p in report.plots(doc, Path(args.json).parent, stem):
+                log(f"wrote {p}")
+    return doc
+
+
+def _plot_main(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving_load plot")
+    ap.add_argument("json", nargs="+", help="results of runs to merge")
+    ap.add_argument("--out", required=True, help="folder for merged.json and the plots")
+    args = ap.parse_args(argv)
+    docs = [json.loads(Path(p).read_text()) for p in args.json]
+    doc = dict(docs[0])
+    doc["rows"] = [r for d in docs for r in d.get("rows") or []]
+    doc["policies"] = next((d["policies"] for d in docs if d.get("policies")), None)
+    doc["merged_from"] = args.json
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "merged.json", doc)
+    print(report.tables(doc))
+    report.plots(doc, out, "merged")
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Running the benchmark: the model and its arena budget, the oracle pass, one method at one
+rate through ``LLM.add_request`` / ``LLM.step``, and the memory-policy comparison.
+
+Clock: a step clock. Time advances by the measured wall time of each ``LLM.step()`` (host
+work and the device program, which the engine waits for); when nothing is in flight it jumps
+to the next arrival. A request is added before the first step that starts at or after its
+arrival time, and its tokens are stamped with the time at the end of the step that emitted
+them. This equals a wall clock with the idle gaps removed, so light rates cost only their busy
+time.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import load_config, log
+from benchmarks.memory_trace.stats import paired_bootstrap
+from benchmarks.serving_load.replay import ReplayDrafter, ReplayParams
+from benchmarks.serving_load.workload import POLICIES, Method, Workload
+from serving.bench import ASSETS
+from serving.llm import LLM, load_model
+from serving.params import SamplingParams
+
+AUTO_HEADROOM = 8 << 30  # bytes of device memory left to activations under budget "auto"
+
+
+def model_for(preset: dict):
+    """The target: the shipped tiny model, or random weights at a config's size."""
+    dtype = jnp.dtype(preset["dtype"])
+    if preset["model"] == "tiny":
+        return load_model(ASSETS / "target", dtype)
+    _, cfg = load_config(preset["model"])
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    if preset.get("num_layers"):
+        cfg["num_hidden_layers"] = preset["num_layers"]
+        cfg.pop("layer_types", None)
+    return load_model(cfg, dtype)
+
+
+def auto_budget(headroom: int = AUTO_HEADROOM) -> int:
+    """Bytes of device memory left after the weights (all live buffers), less ``headroom``."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise SystemExit("memory_budget auto: this backend reports no memory stats; give bytes")
+    return int(stats["bytes_limit"] - stats["bytes_in_use"] - headroom)
+
+
+def make_llm(model, preset: dict, method: Method, budget: int, policy: str = "avmp") -> LLM:
+    return LLM(
+        model,
+        memory_budget=budget,
+        memory_policy=policy,
+        speculative=method.spec,
+        max_num_seqs=preset["max_num_seqs"],
+        batch_buckets=preset["batch_buckets"],
+        max_model_len=preset["max_model_len"],
+        prefill_chunk=preset["prefill_chunk"],
+        dtype=preset["dtype"],
+        kernels=preset["kernels"],
+    )
+
+
+def warm_up(llm: LLM, preset: dict, vocab: int) -> float:
+    """Compiles every batch bucket's programs (prefill and decode / speculative step) by
+    generating for ``b`` equal prompts per bucket ``b``; returns the seconds it took."""
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(12345)
+    for b in preset["batch_buckets"]:
+        prompts = [rng.integers(1, vocab, 16).tolist() for _ in range(b)]
+        llm.generate(prompts, SamplingParams(max_tokens=8))
+    return time.perf_counter() - t0
+
+
+def oracle_pass(llm: LLM, wl: Workload, cache: Path | None, tag: str) -> list[list[int]]:
+    """Every request's greedy continuation by plain decoding (``llm`` has no speculation),
+    read from / written to ``cache`` (a JSON file per workload and model) when given."""
+    if cache is not None and cache.exists():
+        doc = json.loads(cache.read_text())
+        if doc.get("tag") == tag and doc.get("prompts_hash") == _hash(wl.prompts):
+            return doc["outputs"]
+    params = [SamplingParams(max_tokens=int(n)) for n in wl.output_len]
+    outs = llm.generate(wl.prompts, params)
+    tokens = [o.token_ids for o in outs]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(
+            json.dumps({"tag": tag, "prompts_hash": _hash(wl.prompts), "outputs": tokens})
+        )
+    return tokens
+
+
+def _hash(prompts) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+def install_replay(llm: LLM, wl: Workload, oracle, replay: ReplayParams) -> ReplayDrafter:
+    drafter = ReplayDrafter(llm.config.vocab_size, replay)
+    for i, (p, o) in enumerate(zip(wl.prompts, oracle, strict=True)):
+        drafter.register(i, p, o)
+    llm.engine.drafter = drafter
+    return drafter
+
+
+def _ms(x, q) -> float | None:
+    """The ``q``-th percentile of ``x`` (seconds) in ms; ``None`` when empty."""
+    return 1e3 * float(np.percentile(x, q)) if len(x) else None
+
+
+def serve(llm: LLM, wl: Workload, rate: float, n: int, oracle) -> dict:
+    """The first ``n`` requests of ``wl`` at ``rate`` through ``llm`` (step clock, module
+    docstring): per-request times and tokens, and the run's counters."""
+    arrival = wl.arrivals(rate)[:n]
+    rid_of: dict = {}
+    first = np.full(n, np.nan)
+    last = np.full(n, np.nan)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    rejected = np.zeros(n, bool)
+    nxt, t, steps, busy = 0, 0.0, 0, 0.0
+    accept: list[int] = []
+    peak_running = peak_kv = peak_spec = 0
+    sched, mgr = llm.scheduler, llm.manager
+    pre0, mig0 = sched.preemptions, mgr.stats()["migrations"]
+    migb0, comp0 = mgr.stats()["migrated_bytes"], mgr.stats()["compactions"]
+    compiled0 = llm.compiled_programs()
+    while nxt < n or llm.has_unfinished_requests():
+        if not llm.has_unfinished_requests() and arrival[nxt] > t:
+            t = float(arrival[nxt])
+        while nxt < n and arrival[nxt] <= t:
+            params = SamplingParams(max_tokens=int(wl.output_len[nxt]))
+            try:
+                rid_of[llm.add_request(wl.prompts[nxt], params, index=nxt)] = nxt
+            except ValueError:
+                rejected[nxt] = True
+            nxt += 1
+        if not llm.has_unfinished_requests():
+            continue
+        t0 = time.perf_counter()
+        outs = llm.step()
+        dt = time.perf_counter() - t0
+        t += dt
+        busy += dt
+        steps += 1
+        for o in outs:
+            i = rid_of[o.request_id]
+            if o.error is not None:
+                rejected[i] = True
+                continue
+            if o.finished and o.output is not None:
+                accept += o.output.metrics["acceptance_lengths"]
+            if o.token_ids:
+                tokens[i] += o.token_ids
+                if np.isnan(first[i]):
+                    first[i] = t
+                last[i] = t
+        s = mgr.stats()
+        peak_running = max(peak_running, len(sched.running))
+        peak_kv = max(peak_kv, s["kv_pages"])
+        peak_spec = max(peak_spec, s["stash_units"] + s["snapshot_slots"])
+    s = mgr.stats()
+    done = ~rejected & ~np.isnan(last)
+    ttft = (first - arrival)[done]
+    ntok = np.array([len(x) for x in tokens])
+    tpot = ((last - first) / np.maximum(ntok - 1, 1))[done & (ntok > 1)]
+    makespan = float(np.nanmax(last) - arrival[0]) if done.any() else float("nan")
+    kind = llm.scheduler.spec_kind
+    same = [tokens[i] == list(oracle[i]) for i in range(n) if done[i]]
+    return dict(
+        requests=n,
+        completed=int(done.sum()),
+        rejected=int(rejected.sum()),
+        makespan_s=makespan,
+        busy_s=busy,
+        steps=steps,
+        request_throughput=float(done.sum() / makespan),
+        token_throughput=float(ntok[done].sum() / makespan),
+        ttft_p50_ms=_ms(ttft, 50),
+        ttft_p99_ms=_ms(ttft, 99),
+        tpot_p50_ms=_ms(tpot, 50),
+        tpot_p99_ms=_ms(tpot, 99),
+        peak_concurrency=peak_running,
+        preemptions=sched.preemptions - pre0,
+        migrations=s["migrations"] - mig0,
+        migrated_bytes=s["migrated_bytes"] - migb0,
+        compactions=s["compactions"] - comp0,
+        spec_bytes_per_request=llm.spec_bytes_per_request,
+        peak_spec_bytes=peak_spec * (llm.layout.unit_bytes(kind) if kind else 0),
+        peak_kv_bytes=peak_kv * llm.layout.unit_bytes("kv"),
+        arena_bytes=s["arena_bytes"],
+        mean_acceptance_length=float(np.mean(accept)) if accept else 1.0,
+        compiled_during_run=llm.compiled_programs() - compiled0,
+        same_tokens_as_plain=float(np.mean(same)) if same else None,
+        ttft_s=[None if not done[i] else float(first[i] - arrival[i]) for i in range(n)],
+        latency_s=[None if not done[i] else float(last[i] - arrival[i]) for i in range(n)],
+    )
+
+
+def run_method(model, preset, method: Method, workloads, oracles, replay, budget, rates, vocab):
+    """One method: one engine, warmed up, through every workload and rate; rows."""
+    llm = make_llm(model, preset, method, budget)
+    rows = []
+    try:
+        log(f"{method.name}: compiling")
+        warm_s = warm_up(llm, preset, vocab)
+        for wl in workloads:
+            drafter = install_replay(llm, wl, oracles[wl.name], replay) if method.spec else None
+            for rate in rates[wl.name]:
+                n = wl.count(rate, preset.get("max_span_s"))
+                off0 = drafter.off_path_steps if drafter else 0
+                row = serve(llm, wl, rate, n, oracles[wl.name])
+                row["off_path_draft_steps"] = drafter.off_path_steps - off0 if drafter else 0
+                row.update(
+                    method=method.name,
+                    nodes=method.nodes,
+                    workload=wl.name,
+                    rate=rate,
+                    warm_up_s=warm_s,
+                    kernels=getattr(llm.runner, "kernels", preset["kernels"]),
+                )
+                rows.append(row)
+                log(
+                    f"{method.name} {wl.name} rate {rate}: {row['request_throughput']:.3g} req/s, "
+                    f"TTFT p50 {row['ttft_p50_ms']} ms, accept {row['mean_acceptance_length']:.2f}"
+                )
+    finally:
+        del llm
+        gc.collect()
+    return rows
+
+
+def policy_study(model, preset, method: Method, wl: Workload, oracle, replay, budget, rate):
+    """The same engine, method and budget under each memory policy on one shifting workload;
+    paired-bootstrap 95% intervals of AVMP's gain in TTFT and latency against each baseline
+    (mean of baseline minus AVMP over the requests both completed; positive: AVMP faster)."""
+    rows = {}
+    n = wl.count(rate, preset.get("max_span_s"))
+    for policy in POLICIES:
+        llm = make_llm(model, preset, method, budget, policy)
+        try:
+            warm_up(llm, preset, llm.config.vocab_size)
+            if method.spec:
+                install_replay(llm, wl, oracle, replay)
+            row = serve(llm, wl, rate, n, oracle)
+        finally:
+            del llm
+            gc.collect()
+        row.update(policy=policy, method=method.name, workload=wl.name, rate=rate)
+        rows[policy] = row
+        log(
+            f"policy {policy}: {row['request_throughput']:.3g} req/s, {row['preemptions']} preemptions"
+        )
+    rng = np.random.default_rng(0)
+    reps = preset["bootstrap_reps"]
+    cis = {}
+    for base in POLICIES[1:]:
+        cis[base] = {}
+        for key in ("ttft_s", "latency_s"):
+            a, b = (
+                np.array([np.nan if x is None else x for x in rows[p][key]], float)
+                for p in ("avmp", base)
+            )
+            ci = paired_bootstrap(a, b, rng, reps)
+            cis[base][key] = (
+                None if ci is None else dict(zip(("mean_gain", "lo", "hi"), ci, strict=True))
+            )
+    return {"rows": list(rows.values()), "avmp_gain_ci95": cis}
+
+
+def finite(x):
+    """JSON-safe rates: ``inf`` as the string ``"inf"``."""
+    return "inf" if isinstance(x, float) and math.isinf(x) else x

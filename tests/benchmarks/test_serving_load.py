@@ -1,0 +1,116 @@
+"""The serving-load benchmark: the replay drafter's acceptance against its calibration (host
+only), and the CPU smoke preset end to end (every speculative method gives plain decoding's
+tokens; the JSON carries every reported field)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.serving_load.replay import (
+    ReplayDrafter,
+    ReplayParams,
+    calibrate,
+    chain_acceptance,
+)
+from benchmarks.serving_load.workload import methods
+from serving.acceptance import greedy_accept
+from serving.spec_trees import TreeBuilder
+
+
+def _accept(drafter, spec, prompt, oracle, generated):
+    """Tokens one step accepts (greedy) when the target's argmax follows ``oracle``."""
+    ctx = np.asarray(prompt + oracle[:generated], np.int64)
+    tb = TreeBuilder(int(ctx[-1]), spec, None)
+    drafter.draft([ctx], [tb])
+    truth = oracle[generated:]
+    argmax = np.full(len(tb), -1)
+    for n in drafter._true_nodes(tb, np.asarray(truth)):
+        if tb.depth[n] < len(truth):
+            argmax[n] = truth[tb.depth[n]]
+    path, _ = greedy_accept(tb, argmax)
+    return len(path), tb
+
+
+def test_calibration_and_replayed_acceptance():
+    p1 = calibrate(3.0, depth=4, decay=0.9)
+    assert chain_acceptance(p1, 0.9, 4) == pytest.approx(3.0, abs=1e-9)
+    vocab, rng = 1000, np.random.default_rng(0)
+    drafter = ReplayDrafter(vocab, ReplayParams(p1, 0.9, 0.25, seed=1))
+    prompt = rng.integers(1, vocab, 12).tolist()
+    oracle = rng.integers(0, vocab, 4000).tolist()
+    drafter.register(0, prompt, oracle)
+    table = methods(tree=(4, 2, 2), chain=4, wide=(32,))
+    got = {}
+    for key in ("chain_snapshot", "tree_wy", "wide_wy_32"):
+        spec = table[key].spec
+        acc = [_accept(drafter, spec, prompt, oracle, g)[0] for g in range(1, 3000, 3)]
+        got[key] = float(np.mean(acc))
+    assert got["chain_snapshot"] == pytest.approx(3.0, abs=0.1)  # the calibrated chain
+    assert got["tree_wy"] > got["chain_snapshot"] - 0.3  # shallower (3 levels) but wider
+    assert got["wide_wy_32"] > got["chain_snapshot"]  # deeper and wider
+    # the same request and position give the same tree, and an off-path context is random
+    a = _accept(drafter, table["tree_wy"].spec, prompt, oracle, 7)[1]
+    b = _accept(drafter, table["tree_wy"].spec, prompt, oracle, 7)[1]
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    before = drafter.off_path_steps
+    wrong = [*oracle[:5], (oracle[5] + 1) % vocab]
+    _accept(drafter, table["chain_snapshot"].spec, prompt, wrong + oracle[6:], 6)
+    assert drafter.off_path_steps == before + 1
+
+
+def test_smoke_preset(tmp_path):
+    from benchmarks.serving_load.__main__ import main
+
+    out = tmp_path / "smoke.json"
+    main(["--preset", "smoke", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert {r["method"] for r in rows} == {
+        "no speculation",
+        "chain snapshot (4)",
+        "tree snapshot",
+        "tree WY",
+    }
+    assert {r["rate"] for r in rows} == {8.0, "inf"}
+    keys = (
+        "request_throughput",
+        "token_throughput",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "peak_concurrency",
+        "preemptions",
+        "spec_bytes_per_request",
+        "peak_spec_bytes",
+        "peak_kv_bytes",
+        "mean_acceptance_length",
+    )
+    for r in rows:
+        assert all(r[k] is not None for k in keys), r
+        assert r["completed"] == r["requests"] and r["rejected"] == 0
+        # greedy speculation is lossless: every method gives the oracle's (plain) tokens
+        assert r["same_tokens_as_plain"] == 1.0, r["method"]
+        assert r["compiled_during_run"] == 0
+        if r["nodes"] > 1:
+            assert r["mean_acceptance_length"] > 1.5 and r["spec_bytes_per_request"] > 0
+    pol = doc["policies"]
+    assert [r["policy"] for r in pol["rows"]] == [
+        "avmp",
+        "unified_padded",
+        "static_dual",
+        "multi_ended",
+    ]
+    for r in pol["rows"]:
+        assert r["same_tokens_as_plain"] == 1.0
+        assert {"migrations", "preemptions", "rejected"} <= set(r)
+    assert set(pol["avmp_gain_ci95"]) == {"unified_padded", "static_dual", "multi_ended"}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "smoke_throughput.png").exists()
+    assert (tmp_path / "smoke_ttft_cdf.png").exists()
