@@ -13,7 +13,6 @@ import time
 import numpy as np
 
 from serving.acceptance import greedy_accept, rejection_accept, sample, target_probs
-from serving.arena_cache import ArenaCache
 from serving.drafters import ModelDrafter, MTPDrafter, NgramDrafter
 from serving.params import SpecConfig
 from serving.runner import ArenaRunner, ModelRunner
@@ -306,9 +305,8 @@ class Engine:
 
 def _device_speculator(runner, spec: SpecConfig, drafter, draft_runner):
     """The one-program speculative step for this engine, or ``None`` where the host's
-    multi-program path runs: the pooled cache, a multi-device placement, a draft model that
-    keeps its own pools."""
-    if runner.kind != "arena" or runner.make_cache is not ArenaCache:
+    multi-program path runs: the pooled cache, a draft model that keeps its own pools."""
+    if runner.kind != "arena":
         return None
     if isinstance(drafter, ModelDrafter):
         if draft_runner is None or draft_runner.kind != "arena":

@@ -444,8 +444,6 @@ class LLM:
             spec=speculative,
             drafter=drafter,
             draft_runner=draft_runner,
-            # the one-program speculative step builds single-device arena caches
-            device_speculation=placement is None or placement.tp == 1,
         )
         self.max_model_len = pages_per_seq * page_size
         self._depth = speculative.max_depth if speculative else 0

@@ -298,6 +298,9 @@ class ProgramKey:
     depth: int
     snapshot: bool
     sampling: bool  # False: every row of the batch is greedy
+    # the runners' cache builders: ArenaCache, or a multi-device placement
+    make_target_cache: object = ArenaCache
+    make_draft_cache: object = ArenaCache
 
 
 @functools.cache
@@ -305,12 +308,14 @@ def _program(key: ProgramKey):
     tree = key.tree
 
     def target_cache(buf, table, handles, pages, lengths, *, defer):
-        return ArenaCache(
-            buf, table, handles, pages, lengths, key.target_spec, key.target_kernels, defer=defer
+        spec, kernels = key.target_spec, key.target_kernels
+        return key.make_target_cache(
+            buf, table, handles, pages, lengths, spec, kernels, defer=defer
         )
 
     def draft_cache(buf, table, handles, pages, lengths):
-        return ArenaCache(buf, table, handles, pages, lengths, key.draft_spec, key.draft_kernels)
+        spec, kernels = key.draft_spec, key.draft_kernels
+        return key.make_draft_cache(buf, table, handles, pages, lengths, spec, kernels)
 
     def draft_tree(tstate, dstate, buf, table, handles, pages, lengths, root, hidden, temp, keys):
         """``(tokens [B, N], parents [B, N], draft logits [B, N, V])`` of the static tree."""
@@ -518,6 +523,8 @@ class DeviceSpeculator:
             depth=spec.max_depth,
             snapshot=spec.verify == "snapshot",
             sampling=True,
+            make_target_cache=runner.make_cache,
+            make_draft_cache=draft_runner.make_cache if draft_runner is not None else ArenaCache,
         )
         self.num_nodes = spec.num_nodes
         self.calls = 0

@@ -147,6 +147,10 @@ def _subprocess_main() -> None:  # pragma: no cover (runs in the 8-device subpro
             llm = engine(key, **kw)
             out["layouts"][name] = {"tokens": tokens(llm, key)}
             out["layouts"][name]["seconds"] = round(time.perf_counter() - t0, 1)
+            engines = [r.engine for r in llm.replicas] if llm.replicas else [llm.engine]
+            out["layouts"][name]["device_spec_calls"] = sum(
+                e.device_spec.calls for e in engines if e.device_spec is not None
+            )
             if name in ("tp8_ep", "tp2_draft"):
                 kept[name] = llm
         except Exception as e:  # reported per layout by the test
@@ -218,6 +222,8 @@ def test_layout_matches_single_device(results, name):
     assert "error" not in got, got.get("error")
     ref = results["refs"][LAYOUTS[name][0]]
     assert got["tokens"] == ref
+    if "speculative" in LAYOUTS[name][1]:  # speculation ran as one device program per step
+        assert got["device_spec_calls"] > 0
     assert all(len(t) == MAX_TOKENS for t in ref)
     assert len({tuple(t) for t in ref}) == len(ref)  # varied output, not one repeated token
 
