@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 
-from serving.acceptance import greedy_accept, rejection_accept, sample, target_probs
+from serving.acceptance import greedy_accept, rejection_accept, target_probs
 from serving.drafters import ModelDrafter, MTPDrafter, NgramDrafter
 from serving.params import SpecConfig
 from serving.runner import ArenaRunner, ModelRunner
 from serving.scheduler import Request, Scheduler
-from serving.spec_device import DeviceSpeculator
+from serving.spec_device import DeviceSpeculator, sample_rows
 from serving.spec_trees import TreeBuilder
 
 
@@ -123,11 +123,27 @@ class Engine:
         if self.progress is not None:
             self.progress(len(tokens))
 
-    def _sample(self, req: Request, logits: np.ndarray, argmax: int, stream: int) -> int:
-        if req.params.greedy:
-            return int(argmax)
-        rng = np.random.default_rng([req.params.seed, req.index, len(req.output), stream])
-        return sample(target_probs(logits, req.params), rng)
+    @staticmethod
+    def _sampling(reqs: list[Request], b: int):
+        """``(seeds uint32 [B, 3], temperature, top_k, top_p [B])`` of the batch padded to
+        ``b`` rows (padding rows greedy): the rows' sampling parameters and random-stream keys
+        ``(seed, request index, output position)`` for the device."""
+        seeds = np.zeros((b, 3), np.uint32)
+        temp = np.zeros(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        top_p = np.ones(b, np.float32)
+        for i, r in enumerate(reqs):
+            p = r.params
+            seeds[i] = (p.seed % (1 << 32), r.index % (1 << 32), len(r.output))
+            temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        return seeds, temp, top_k, top_p
+
+    def _next_tokens(self, reqs: list[Request], logits, argmax) -> np.ndarray:
+        """Each row's next token: the argmax, or for a batch that samples a draw on the device
+        (:func:`serving.spec_device.sample_rows`), so no logits come to the host."""
+        if all(r.params.greedy for r in reqs):
+            return np.asarray(argmax)
+        return np.asarray(sample_rows(logits, *self._sampling(reqs, logits.shape[0])))
 
     # -------------------------------------------------------------------------------- steps
 
@@ -166,10 +182,10 @@ class Engine:
         if self.draft_runner is not None:
             self.draft_runner.prefill(*draft_rows, tokens, counts)
         done = [i for i, r in enumerate(reqs) if r.computed + counts[i] == len(r.prefill_tokens)]
-        now = time.perf_counter()
         if done:
-            logits_h, am_h = np.asarray(logits), np.asarray(am)
+            first = self._next_tokens(reqs, logits, am)
             hidden_h = np.asarray(hidden) if isinstance(self.drafter, MTPDrafter) else None
+        now = time.perf_counter()
         for i, r in enumerate(reqs):
             r.computed += int(counts[i])
         for i in done:
@@ -177,7 +193,7 @@ class Engine:
             if hidden_h is not None:
                 r.hidden = hidden_h[i]
             if not r.output:  # a fresh request: its first token
-                self._emit(r, [self._sample(r, logits_h[i], am_h[i], 0)], now)
+                self._emit(r, [int(first[i])], now)
 
     def _decode(self, reqs: list[Request]) -> None:
         rows, _ = self._rows(reqs)
@@ -185,28 +201,20 @@ class Engine:
         for i, r in enumerate(reqs):
             tokens[i] = r.output[-1]
         logits, am, _ = self.runner.decode(*rows, tokens)
-        am = np.asarray(am)
-        logits_h = None if all(r.params.greedy for r in reqs) else np.asarray(logits)
+        nxt = self._next_tokens(reqs, logits, am)
         now = time.perf_counter()
         for i, r in enumerate(reqs):
             r.computed += 1
-            lg = None if logits_h is None else logits_h[i]
-            self._emit(r, [self._sample(r, lg, am[i], 0)], now)
+            self._emit(r, [int(nxt[i])], now)
 
     def _speculate_on_device(self, reqs: list[Request]) -> None:
         """One device program: draft, verify, accept, commit (:mod:`serving.spec_device`)."""
         rows, _ = self._rows(reqs)
         b = rows[0].shape[0]
         root = np.zeros(b, np.int32)
-        seeds = np.zeros((b, 3), np.uint32)
-        temp = np.zeros(b, np.float32)
-        top_k = np.zeros(b, np.int32)
-        top_p = np.ones(b, np.float32)
         for i, r in enumerate(reqs):
-            p = r.params
             root[i] = r.output[-1]
-            seeds[i] = (p.seed % (1 << 32), r.index % (1 << 32), len(r.output))
-            temp[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        seeds, temp, top_k, top_p = self._sampling(reqs, b)
         kw = {}
         if isinstance(self.drafter, MTPDrafter):
             h = reqs[0].hidden

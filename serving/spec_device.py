@@ -43,6 +43,7 @@ from serving.kernels import ArenaKernels
 
 # the offsets of the random streams of a step (folded into each row's key)
 _DRAFT_STREAM = 1 << 16
+_PLAIN_DRAW = 1 << 20
 _FINAL_DRAW = 63
 
 
@@ -150,6 +151,18 @@ def row_keys(seeds):
         return jax.random.fold_in(jax.random.fold_in(key, s[1]), s[2])
 
     return jax.vmap(one)(seeds)
+
+
+@jax.jit
+def sample_rows(logits, seeds, temperature, top_k, top_p):
+    """Each row's next token on the device: the argmax for greedy rows (``temperature == 0``),
+    else a draw from :func:`target_probs` with the row's key (``seeds uint32 [B, 3]`` =
+    ``(seed, request index, position)``): ``logits [B, V]`` -> ``int32 [B]``. Plain decoding
+    and a request's first token take it, so only ``[B]`` tokens leave the device."""
+    keys = _fold(row_keys(seeds), _PLAIN_DRAW)
+    p = target_probs(logits, temperature, top_k, top_p)
+    drawn = jax.vmap(lambda k, pr: jax.random.categorical(k, jnp.log(pr)))(keys, p)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
 def _fold(keys, stream: int):

@@ -15,7 +15,14 @@ from scipy import stats
 
 from serving import LLM, SamplingParams, SpecConfig
 from serving import acceptance as host
-from serving.spec_device import StaticTree, accept, pick_children, row_keys, target_probs
+from serving.spec_device import (
+    StaticTree,
+    accept,
+    pick_children,
+    row_keys,
+    sample_rows,
+    target_probs,
+)
 from serving.spec_trees import TreeBuilder
 from tests.serving.conftest import ENGINE, prompts
 
@@ -226,3 +233,30 @@ def test_device_and_host_paths_give_the_same_greedy_tokens(name, target, draft):
     assert [o.metrics["acceptance_lengths"] for o in a] == [
         o.metrics["acceptance_lengths"] for o in b
     ]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.7)])
+def test_device_sampling_draws_the_target_distribution(top_k, top_p):
+    """Plain decoding's draws on the device (``sample_rows``): distributed as the host's
+    ``target_probs`` under temperature, top-k and top-p; greedy rows take the argmax."""
+    vocab, rows = 7, 12000
+    logits = np.log(np.random.default_rng(2).dirichlet(np.ones(vocab))).astype(np.float32)
+    params = SamplingParams(temperature=1.3, top_k=top_k, top_p=top_p)
+    want = host.target_probs(logits, params)
+    seeds = np.stack([np.full(rows, 11), np.arange(rows), np.full(rows, 5)], 1).astype(np.uint32)
+    temp = np.full(rows, 1.3, np.float32)
+    temp[:100] = 0.0  # greedy rows
+    got = np.asarray(
+        sample_rows(
+            jnp.broadcast_to(jnp.asarray(logits), (rows, vocab)),
+            jnp.asarray(seeds),
+            jnp.asarray(temp),
+            jnp.full(rows, top_k, jnp.int32),
+            jnp.full(rows, top_p, jnp.float32),
+        )
+    )
+    assert (got[:100] == logits.argmax()).all()
+    counts = np.bincount(got[100:], minlength=vocab)
+    assert counts[want == 0].sum() == 0
+    keep = want > 0
+    assert stats.chisquare(counts[keep], (rows - 100) * want[keep]).pvalue > ALPHA
