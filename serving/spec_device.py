@@ -314,6 +314,9 @@ class ProgramKey:
     # the runners' cache builders: ArenaCache, or a multi-device placement
     make_target_cache: object = ArenaCache
     make_draft_cache: object = ArenaCache
+    # the models' states travel as flat leaves (a call then skips flattening them)
+    target_treedef: object = None
+    draft_treedef: object = None
 
 
 @functools.cache
@@ -439,8 +442,8 @@ def _program(key: ProgramKey):
         return toks_c, par_c, q_c
 
     def step(
-        tstate,
-        dstate,
+        tleaves,
+        dleaves,
         buf,
         table,
         handles,
@@ -456,6 +459,8 @@ def _program(key: ProgramKey):
         top_k,
         top_p,
     ):
+        tstate = jax.tree.unflatten(key.target_treedef, tleaves)
+        dstate = None if dleaves is None else jax.tree.unflatten(key.draft_treedef, dleaves)
         keys = row_keys(seeds)
         if isinstance(tree, BudgetTree):
             tokens, parents, draft_logits = draft_budget(
@@ -538,7 +543,15 @@ class DeviceSpeculator:
             sampling=True,
             make_target_cache=runner.make_cache,
             make_draft_cache=draft_runner.make_cache if draft_runner is not None else ArenaCache,
+            target_treedef=jax.tree.structure(runner._state),
+            draft_treedef=None if draft_runner is None else jax.tree.structure(draft_runner._state),
         )
+        self._tleaves = jax.tree.leaves(runner._state)
+        self._dleaves = None if draft_runner is None else jax.tree.leaves(draft_runner._state)
+        # the program variants, looked up once (hashing the key each step costs milliseconds)
+        self._programs = {
+            s: _program(dataclasses.replace(self.key, sampling=s)) for s in (False, True)
+        }
         self.num_nodes = spec.num_nodes
         self.calls = 0
 
@@ -572,12 +585,11 @@ class DeviceSpeculator:
             parents = np.zeros((b, self.num_nodes), np.int32)
         if hidden is None:
             hidden = np.zeros((b, r.config.hidden_size), np.float32)
-        dstate = self.draft_runner._state if self.draft_runner is not None else None
         self.calls += 1
-        program = _program(dataclasses.replace(self.key, sampling=bool(np.any(temp > 0))))
+        program = self._programs[bool(np.any(temp > 0))]
         out, counts, hid, r._buf = program(
-            r._state,
-            dstate,
+            self._tleaves,
+            self._dleaves,
             r._buf,
             r.table(),
             handles,
