@@ -65,3 +65,16 @@ def test_kernel_inputs():
     assert kernels.deepest_path(chain)[1].tolist() == [5, 5]
     assert kernels.chunk_shapes("4096x1;16384x4") == [(4096, 1), (16384, 4)]
     assert kernels.rel_err_key(0) == "rel_err_vs_xla" and kernels.rel_err_key(2) == "rel_err2"
+
+
+def test_spec_step_rows(tmp_path, capsys):
+    from benchmarks import spec_step
+
+    out = tmp_path / "spec_step.json"
+    rows = spec_step.main(["--batch", "2", "--tree", "2,1", "--reps", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == rows
+    (row,) = rows
+    assert row["batch"] == 2 and row["nodes"] == 5 and row["kernels"] == "xla"
+    assert all(row[k] > 0 for k in ("decode_ms", "spec_step_ms", "verify_ms"))
+    assert row["spec_over_decode"] == row["spec_step_ms"] / row["decode_ms"]
+    assert "| spec step ms |" in capsys.readouterr().out

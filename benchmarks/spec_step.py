@@ -1,0 +1,155 @@
+"""One speculative step against one plain decode step, side by side, on the same batch.
+
+    python -m benchmarks.spec_step [--batch 1,8] [--tree 4,2,2] [--kernels xla|auto]
+                                   [--reps 20] [--json out.json]
+
+The shipped tiny target/draft pair (``serving/assets/tiny``), draft-model drafting, the draft in
+the target's arena, as ``python -m serving bench`` builds them. For each batch size the engine
+prefills real prompts (a short ``generate`` that also compiles every program), then three
+programs run alternately on that batch's handles and lengths, ``--reps`` times each:
+
+- ``decode``: the plain decode step (``ArenaRunner.decode``);
+- ``spec step``: the whole speculative step as one device program
+  (:class:`serving.spec_device.DeviceSpeculator`: draft levels, verify, acceptance, commit, the
+  draft's catch-up), host work of the call included;
+- ``verify``: the target's tree verify alone (``ArenaRunner.verify`` without scratch: the
+  arena only read), the step's main model part.
+
+Each time is a median in ms, blocked on the outputs and the arena. ``spec / decode`` is the
+step's cost in decode steps (tree WY pays when the mean acceptance length exceeds it);
+``verify / spec`` is the share of the target's verify in the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+from jax import numpy as jnp
+
+from benchmarks.common import ints, markdown_table, write_json
+from serving.bench import ASSETS, stdlib_prompts
+from serving.llm import LLM, load_model
+from serving.params import SamplingParams, SpecConfig
+
+
+class _Capture:
+    """Calls the engine's speculator and keeps the arguments of the last call."""
+
+    def __init__(self, inner):
+        self.inner, self.args = inner, None
+
+    def __call__(self, *a, **k):
+        self.args = (a, k)
+        return self.inner(*a, **k)
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: str) -> dict:
+    dt = jnp.dtype(dtype)
+    model, draft = load_model(ASSETS / "target", dt), load_model(ASSETS / "draft", dt)
+    spec = SpecConfig(method="draft_model", draft_model=draft, tree=tree, verify="wy")
+    llm = LLM(
+        model,
+        speculative=spec,
+        max_num_seqs=batch,
+        batch_buckets=(batch,),
+        max_model_len=176,
+        prefill_chunk=64,
+        dtype=dtype,
+        kernels=kernels,
+    )
+    engine, runner = llm.engine, llm.engine.runner
+    device_spec = engine.device_spec
+    capture = _Capture(device_spec)
+    engine.device_spec = capture  # keeps the last step's inputs: this batch's rows
+    try:
+        llm.generate(stdlib_prompts(batch, 96), SamplingParams(max_tokens=4))
+    finally:
+        engine.device_spec = device_spec
+    a, k = capture.args
+    handles, pages, lengths = a[0], a[1], a[2]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model.config.vocab_size, (batch, spec.num_nodes), np.int32)
+    parents = np.broadcast_to(np.asarray(_static_parents(tree)), tokens.shape).copy()
+    last = np.zeros(batch, np.int32)
+
+    def block(out):
+        jax.block_until_ready(out)
+        jax.block_until_ready(runner.manager.arena.buffer)
+
+    programs = {
+        "decode": lambda: block(runner.decode(handles, pages, lengths, last)),
+        "spec step": lambda: block(device_spec(*a, **k)),
+        "verify": lambda: block(runner.verify(handles, pages, lengths, tokens, parents)),
+    }
+    for fn in programs.values():  # compile and warm
+        fn()
+        fn()
+    ms = {name: [] for name in programs}
+    for _ in range(reps):
+        for name, fn in programs.items():
+            ms[name].append(_median_ms(fn, 1))
+    out = {name: float(np.median(v)) for name, v in ms.items()}
+    return dict(
+        batch=batch,
+        tree=",".join(map(str, tree)),
+        nodes=spec.num_nodes,
+        kernels=runner.kernels,
+        backend=jax.default_backend(),
+        decode_ms=out["decode"],
+        spec_step_ms=out["spec step"],
+        verify_ms=out["verify"],
+        spec_over_decode=out["spec step"] / out["decode"],
+        verify_share=out["verify"] / out["spec step"],
+    )
+
+
+def _static_parents(tree: tuple[int, ...]) -> list[int]:
+    from serving.spec_device import StaticTree
+
+    return StaticTree(tuple(tree)).parents.tolist()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.spec_step", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--batch", type=ints, default=[1, 8], help="batch sizes (default: 1,8)")
+    ap.add_argument("--tree", type=ints, default=[4, 2, 2], help="static tree (default: 4,2,2)")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per program (default: 20)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if args.reps < 1 or min(args.batch) < 1 or min(args.tree) < 1:
+        ap.error("--reps, --batch and --tree must be positive")
+    rows = [measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype) for b in args.batch]
+    cols = [
+        ("batch", "batch"),
+        ("nodes", "nodes"),
+        ("kernels", "kernels"),
+        ("decode_ms", "decode ms"),
+        ("spec_step_ms", "spec step ms"),
+        ("verify_ms", "verify ms"),
+        ("spec_over_decode", "spec / decode"),
+        ("verify_share", "verify / spec"),
+    ]
+    print(markdown_table(rows, cols, digits=3))
+    if args.json:
+        write_json(args.json, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
