@@ -33,6 +33,7 @@ from benchmarks.common import ints, markdown_table, write_json
 from serving.bench import ASSETS, stdlib_prompts
 from serving.llm import LLM, load_model
 from serving.params import SamplingParams, SpecConfig
+from serving.spec_device import StaticTree
 
 
 class _Capture:
@@ -46,13 +47,10 @@ class _Capture:
         return self.inner(*a, **k)
 
 
-def _median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+def _ms(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
 
 
 def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: str) -> dict:
@@ -81,7 +79,7 @@ def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: s
     handles, pages, lengths = a[0], a[1], a[2]
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.config.vocab_size, (batch, spec.num_nodes), np.int32)
-    parents = np.broadcast_to(np.asarray(_static_parents(tree)), tokens.shape).copy()
+    parents = np.broadcast_to(StaticTree(tuple(tree)).parents, tokens.shape).copy()
     last = np.zeros(batch, np.int32)
 
     def block(out):
@@ -99,7 +97,7 @@ def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: s
     ms = {name: [] for name in programs}
     for _ in range(reps):
         for name, fn in programs.items():
-            ms[name].append(_median_ms(fn, 1))
+            ms[name].append(_ms(fn))
     out = {name: float(np.median(v)) for name, v in ms.items()}
     return dict(
         batch=batch,
@@ -113,12 +111,6 @@ def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: s
         spec_over_decode=out["spec step"] / out["decode"],
         verify_share=out["verify"] / out["spec step"],
     )
-
-
-def _static_parents(tree: tuple[int, ...]) -> list[int]:
-    from serving.spec_device import StaticTree
-
-    return StaticTree(tuple(tree)).parents.tolist()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -40,7 +40,6 @@ class Engine:
         drafter=None,
         draft_runner: ModelRunner | ArenaRunner | None = None,
         progress=None,
-        device_speculation: bool = True,
     ):
         self.runner = runner
         self.sched = scheduler
@@ -55,7 +54,7 @@ class Engine:
         self.depth = spec.max_depth if spec else 0
         self.snapshot = bool(spec and spec.verify == "snapshot")
         self.device_spec = None
-        if spec is not None and device_speculation:
+        if spec is not None:
             self.device_spec = _device_speculator(runner, spec, drafter, draft_runner)
 
     def compiled(self) -> int:
