@@ -25,6 +25,10 @@
 #   chunk_breakdown     chunk_breakdown: the chunked prefill kernel by kernel
 #   moe                 moe: the routed-experts block at M 1-8192 against lax.ragged_dot,
 #                       ragged_dot_mgpu and the floor
+#   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
+#                       decode at B 1/16/64/256, verify N 29/64 at B 16, 4k-token prefill,
+#                       each against its floor; KERNELS (auto), LIMIT (580 s), ARGS (extra)
+#   arena_copies        arena_copies: whole-arena copies in each arena program, auto and xla
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
@@ -137,6 +141,17 @@ step() {
       --blocks fuse_out=true,store_t=true --blocks fuse_out=true,store_t=true,block_v_state=16 \
       --blocks h_bf16=true,store_t=true,precision=bf16 --budget-s 450 \
       --json "$(json chunk_breakdown h200)"
+    ;;
+  model_step)
+    local kernels=${KERNELS:-auto}
+    TAILN=14 run "${LIMIT:-580}" model_step "h200_$kernels" python3 -m benchmarks.model_step \
+      --kernels "$kernels" ${ARGS:-} --json "$(json model_step "h200_$kernels")"
+    ;;
+  arena_copies)
+    for k in auto xla; do
+      TAILN=8 run 200 arena_copies "h200_$k" python3 -m benchmarks.arena_copies --kernels "$k" \
+        --json "$(json arena_copies "h200_$k")"
+    done
     ;;
   layers)
     TAILN=8 run 400 layers h200 python3 -m benchmarks.layers --json "$(json layers h200)"

@@ -37,6 +37,7 @@ class Engine:
         batch_buckets: tuple[int, ...],
         prefill_chunk: int,
         spec: SpecConfig | None,
+        max_prefill_rows: int | None = None,
         drafter=None,
         draft_runner: ModelRunner | ArenaRunner | None = None,
         progress=None,
@@ -46,6 +47,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.buckets = tuple(sorted(batch_buckets))
         self.chunk = prefill_chunk
+        self.max_prefill_rows = max_prefill_rows or max_num_seqs
         self.spec = spec
         self.drafter = drafter
         self.draft_runner = draft_runner
@@ -149,16 +151,21 @@ class Engine:
     def step(self) -> None:
         s = self.sched
         s.admit(self.max_num_seqs, self.chunk)
-        # reserve this step's tokens, oldest first; newest requests are preempted on OOM
+        # reserve this step's tokens, oldest first; newest requests are preempted on OOM. At
+        # most max_prefill_rows prefilling requests get a chunk this step (the oldest).
+        prefills = []
         for req in list(s.running):
             if req not in s.running:
                 continue
             if req.prefilling:
+                if len(prefills) == self.max_prefill_rows:
+                    continue
                 todo = len(req.prefill_tokens) - req.computed
                 s.reserve(req, req.computed + max(1, min(todo, self.chunk)))
+                prefills.append(req)
             else:
                 s.reserve(req, req.computed + 1 + self.depth)
-        prefills = [r for r in s.running if r.prefilling]
+        prefills = [r for r in prefills if r in s.running]
         decodes = [r for r in s.running if not r.prefilling]
         if prefills:
             self._prefill(prefills)

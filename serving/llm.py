@@ -190,6 +190,10 @@ class LLM:
       max_num_seqs: most requests decoding at once (the largest batch bucket).
       max_model_len: most tokens (prompt + output + draft depth) of one request.
       page_size: tokens per KV page. prefill_chunk: tokens per request per prefill step.
+      max_prefill_tokens: most prompt tokens one prefill step computes: the step takes a
+        chunk from each of the ``max(1, max_prefill_tokens // prefill_chunk)`` oldest
+        prefilling requests (the others wait a step), which bounds the prefill program's
+        activations. Default: ``max(8192, prefill_chunk)``.
       batch_buckets: the padded batch sizes the steps compile for (default: powers of two
         below ``max_num_seqs``, and ``max_num_seqs``); the largest must be ``max_num_seqs``.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
@@ -239,6 +243,7 @@ class LLM:
         max_model_len: int = 1024,
         page_size: int = 16,
         prefill_chunk: int = 64,
+        max_prefill_tokens: int | None = None,
         batch_buckets: Sequence[int] | None = None,
         segment_bytes: int | None = None,
         dtype: str = "bfloat16",
@@ -258,6 +263,7 @@ class LLM:
             ("max_model_len", max_model_len),
             ("page_size", page_size),
             ("prefill_chunk", prefill_chunk),
+            ("max_prefill_tokens", 1 if max_prefill_tokens is None else max_prefill_tokens),
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -441,6 +447,9 @@ class LLM:
             max_num_seqs=max_num_seqs,
             batch_buckets=batch_buckets,
             prefill_chunk=prefill_chunk,
+            max_prefill_rows=max(
+                1, (max_prefill_tokens or max(8192, prefill_chunk)) // prefill_chunk
+            ),
             spec=speculative,
             drafter=drafter,
             draft_runner=draft_runner,

@@ -218,15 +218,21 @@ def commit(
     path = jnp.asarray(path, jnp.int32)
     path_len = jnp.asarray(path_len, jnp.int32)
     d = path.shape[1]
+    # Every layer's conv state is read before any state is committed, and the barrier orders
+    # those reads before the commits: a cache committing in place (the arena) would otherwise
+    # see a read of layer i's conv state unordered against layer i + 1's in-place commit and
+    # copy the whole buffer to keep the read's version.
+    convs = [cache.gdn_conv_state(gi) for gi in range(len(tree.gdn))]
+    cache, convs = jax.lax.optimization_barrier((cache, convs))
     for gi, tc in enumerate(tree.gdn):
+        conv = convs[gi]
         if isinstance(tc, TreeCache):
             committed = cache.commit_gdn_state(gi, tc, path, path_len)
             if committed is not None:  # the recurrent state committed in place
-                conv = committed.gdn_conv_state(gi)
                 new_conv = tree_conv_commit(tree.conv_in[gi], conv, path, path_len)
                 cache = committed.with_gdn_conv_state(gi, new_conv)
                 continue
-        conv, ssm = cache.gdn_state(gi)
+        _, ssm = cache.gdn_state(gi)
         if isinstance(tc, TreeCache):
             new_state = tree_commit(ssm, tc, path, path_len, impl=impl)
         else:  # per-node snapshots: the accepted leaf's state

@@ -78,3 +78,30 @@ def test_spec_step_rows(tmp_path, capsys):
     assert all(row[k] > 0 for k in ("decode_ms", "spec_step_ms", "verify_ms"))
     assert row["spec_over_decode"] == row["spec_step_ms"] / row["decode_ms"]
     assert "| spec step ms |" in capsys.readouterr().out
+
+
+def test_model_step_smoke(tmp_path, capsys):
+    """Every step's row with a positive time and floor; the floor grows with the batch."""
+    from benchmarks import model_step
+
+    out = tmp_path / "model_step.json"
+    doc = model_step.main(["--smoke", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"] == doc["rows"]
+    steps = [r["step"] for r in doc["rows"]]
+    assert steps == ["decode", "decode", "verify N 5", "verify N 9", "prefill 64"]
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in doc["rows"])
+    d1, d4 = doc["rows"][:2]
+    assert d4["floor_bytes"] > d1["floor_bytes"]
+    assert "| / floor |" in capsys.readouterr().out
+
+
+def test_arena_programs_update_the_arena_in_place():
+    """The XLA path's prefill, decode, verify and commit programs compile to no whole-arena
+    copy and scratch far below the arena's size."""
+    from benchmarks import arena_copies
+
+    rows = arena_copies.main(["--kernels", "xla", "--layers", "4"])
+    assert {r["program"] for r in rows} == {"prefill", "decode", "verify", "commit"}
+    for r in rows:
+        assert r["arena_copies"] == 0, r
+        assert r["temp_over_arena"] < 0.1, r

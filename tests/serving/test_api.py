@@ -251,3 +251,24 @@ def test_safetensors_reads_bf16_exactly(tmp_path):
     back = Checkpoint(tmp_path).get("w")
     assert back.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(back.view(np.uint16), bits.view(np.uint16))
+
+
+def test_max_prefill_tokens_bounds_the_prefill_step(tiny):
+    """``max_prefill_tokens`` caps the requests one prefill step takes (the oldest first);
+    the tokens are those of an uncapped engine."""
+    ps = [list(range(1 + i, 40 + 3 * i)) for i in range(4)]
+    params = SamplingParams(max_tokens=5)
+    want = [o.token_ids for o in tiny.generate(ps, params)]
+    capped = LLM(ASSETS / "target", **TINY, max_prefill_tokens=64)  # one 64-token chunk
+    runner = capped.engine.runner
+    rows, inner = [], runner.prefill
+
+    def prefill(handles, *a):
+        rows.append(int((np.asarray(handles) >= 0).sum()))
+        return inner(handles, *a)
+
+    runner.prefill = prefill
+    assert [o.token_ids for o in capped.generate(ps, params)] == want
+    assert rows and max(rows) == 1
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        LLM(ASSETS / "target", **TINY, max_prefill_tokens=0)

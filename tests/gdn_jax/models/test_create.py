@@ -94,6 +94,34 @@ def test_to_hf_dict_round_trips(base, dense, layers, interval, tie, mtp):
     assert ModelConfig.from_hf_dict(hf) == dataclasses.replace(cfg, weight_prefix="model.")
 
 
+def test_init_random_layerwise(monkeypatch):
+    """Layer-by-layer creation (large models) gives the model's exact structure, shapes and
+    dtypes, distinct random layers, and places parameters by the given shardings."""
+    import gdn_jax.models.create as create
+
+    monkeypatch.setattr(create, "LAYERWISE_PARAMS", 0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    seen = []
+
+    def sharding(abstract_state):
+        seen.append(abstract_state)
+        return jax.tree.map(lambda _: replicated, abstract_state)
+
+    model = create.init_random(TINY_MOE, jnp.bfloat16, seed=5, sharding=sharding)
+    want = nnx.state(abstract_model(TINY_MOE, jnp.bfloat16))
+    got = nnx.state(model)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert (g.shape, g.dtype) == (w.shape, w.dtype)
+        assert g.sharding == replicated
+    assert len(seen) == 1
+    a0, a1 = (model.layers[i].linear_attn.in_proj_qkv.weight[...] for i in (0, 1))
+    assert not np.array_equal(np.asarray(a0, np.float32), np.asarray(a1, np.float32))
+    logits = jax.jit(lambda ids: model(ids))(jnp.arange(10)[None] % 64)
+    assert np.isfinite(np.asarray(logits, np.float32)).all()
+
+
 def test_set_kernel_impl():
     """``set_kernel_impl`` reaches every GDN and MoE layer; bad names raise."""
     model = init_random(TINY_MOE, jnp.float32, seed=0)
