@@ -113,6 +113,8 @@ def _generate(args) -> None:
         speculative=_spec(args),
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        prefill_chunk=args.prefill_chunk,
+        max_prefill_tokens=args.max_prefill_tokens,
         load_format=args.load_format,
         **_parallel(args),
     )
@@ -144,6 +146,8 @@ def _serve(args) -> None:
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        prefill_chunk=args.prefill_chunk,
+        max_prefill_tokens=args.max_prefill_tokens,
         kernels=args.kernels,
         load_format=args.load_format,
         **_parallel(args),
@@ -238,6 +242,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="memory manager policy (default: %(default)s)",
     )
     p.add_argument("--max-model-len", type=int, default=1024, help="most tokens per request")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=64, help="prompt tokens per request per prefill step"
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="most prompt tokens one prefill step computes (default: max(8192, prefill chunk))",
+    )
     p.add_argument(
         "--dtype",
         default="float32",

@@ -43,6 +43,8 @@ def test_runtime_errors_are_one_line(capsys):
     assert "prompts[0]: 2001 prompt tokens + max_tokens 64 = 2065 tokens" in err
     err = _fail(capsys, ["generate", "--method", "mtp", "--tree", "1,1,1,1", "--budget", "9999"], 1)
     assert "budget must be an int in" in err
+    err = _fail(capsys, ["generate", "--method", "none", "--max-prefill-tokens", "0"], 1)
+    assert "max_prefill_tokens must be a positive int, got 0" in err
 
 
 def test_generate_prints_text_and_the_api_metrics(capsys):
@@ -80,4 +82,5 @@ def test_defaults():
     assert Path(train.out).resolve() != ASSETS.resolve()
     serve = p.parse_args(["serve"])
     assert serve.host == "127.0.0.1" and serve.api_key is None and serve.method == "none"
+    assert serve.prefill_chunk == 64 and serve.max_prefill_tokens is None
     assert p.parse_args(["generate"]).method == "draft_model"
