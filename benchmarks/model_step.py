@@ -17,7 +17,8 @@ the engine itself prefilled:
   read) on ``--verify-batch`` rows, for each ``N`` in ``--tree-sizes``, and its ratio to the
   decode step at the same batch;
 - ``prefill``: ``--prefill-prompts`` prompts of ``--prefill-len`` tokens through
-  ``LLM.generate`` (one token each), in tokens per second.
+  ``LLM.generate`` (one token each, the prompts' rows a batch bucket of their own), in tokens
+  per second.
 
 Every row has its floor: the bytes the step must move (every dense weight, the LM head, the
 expected distinct experts under uniform routing, the embedding rows (the MTP head, unused by
@@ -204,6 +205,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--max-prefill-tokens", type=int, default=8192, help="the engine's prefill step tokens"
     )
     ap.add_argument("--reps", type=int, default=20, help="timed calls per program")
+    ap.add_argument(
+        "--memory-budget",
+        type=lambda x: int(float(x)),
+        help="arena bytes (default: the device's free memory less 12 GiB)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
@@ -240,11 +246,12 @@ def main(argv: list[str] | None = None) -> dict:
     max_len = args.context + max(args.tree_sizes) + 8
     if args.prefill_prompts > 0:
         max_len = max(max_len, args.prefill_len + 8)
-    budget = None
+    budget = args.memory_budget
     stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
+    if budget is None and "bytes_limit" in stats:
         budget = int(stats["bytes_limit"] - stats["bytes_in_use"] - AUTO_HEADROOM)
-    buckets = sorted(set(args.batch + [args.verify_batch, 1]))
+    # the prefill prompts get a bucket of their own, so their prefill rows are all live
+    buckets = sorted(set(args.batch + [args.verify_batch, 1, max(args.prefill_prompts, 1)]))
     buckets = [b for b in buckets if b <= max_rows]
     llm = LLM(
         model,
