@@ -543,11 +543,11 @@ class DeviceSpeculator:
             sampling=True,
             make_target_cache=runner.make_cache,
             make_draft_cache=draft_runner.make_cache if draft_runner is not None else ArenaCache,
-            target_treedef=jax.tree.structure(runner._state),
-            draft_treedef=None if draft_runner is None else jax.tree.structure(draft_runner._state),
+            target_treedef=runner._state.treedef,
+            draft_treedef=None if draft_runner is None else draft_runner._state.treedef,
         )
-        self._tleaves = jax.tree.leaves(runner._state)
-        self._dleaves = None if draft_runner is None else jax.tree.leaves(draft_runner._state)
+        self._tleaves = runner._state.leaves
+        self._dleaves = None if draft_runner is None else draft_runner._state.leaves
         # the program variants, looked up once (hashing the key each step costs milliseconds)
         self._programs = {
             s: _program(dataclasses.replace(self.key, sampling=s)) for s in (False, True)
