@@ -7,7 +7,8 @@ form copies the whole arena moves the arena's bytes per copy and needs that much
 memory. A small model (Qwen3.5-35B-A3B's layer pattern at tiny dims) with a 64 MiB arena is
 served for a few tokens (plain decoding and tree WY speculation) to capture each program's
 arguments; each program is then compiled again and its optimized HLO searched for copies of
-the arena's shape, with XLA's memory analysis (scratch bytes against the arena's).
+the arena's shape, with XLA's memory analysis (scratch bytes against the arena's) and the
+number of kernels the program launches (fusions and custom calls of its entry computation).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def capture(runner) -> dict:
 
         setattr(runner, name, wrap)
     return seen
+
+
+def launches(hlo: str) -> int:
+    """Kernel launches of the entry computation: its fusions and custom calls (Pallas kernels,
+    GEMMs); the loops' bodies (none on the GPU's arena programs) are not counted."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}\n") if "\n}\n" in entry else len(entry)]
+    return sum(1 for line in entry.splitlines() if " fusion(" in line or " custom-call(" in line)
 
 
 def arena_copies(hlo: str, shape: tuple[int, ...]) -> int:
@@ -95,11 +104,14 @@ def main(argv=None) -> list[dict]:
                     program=name[1:],
                     kernels=runner.kernels,
                     arena_copies=arena_copies(hlo, shape),
+                    launches=launches(hlo),
+                    layers=args.layers,
                     temp_over_arena=mem.temp_size_in_bytes / arena_bytes,
                     backend=jax.default_backend(),
                 )
             )
-    print(markdown_table(rows, ["program", "kernels", "arena_copies", "temp_over_arena"]))
+    cols = ["program", "kernels", "arena_copies", "temp_over_arena", "launches"]
+    print(markdown_table(rows, cols))
     if args.json:
         write_json(args.json, rows)
     return rows

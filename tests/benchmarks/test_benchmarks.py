@@ -105,3 +105,4 @@ def test_arena_programs_update_the_arena_in_place():
     for r in rows:
         assert r["arena_copies"] == 0, r
         assert r["temp_over_arena"] < 0.1, r
+        assert r["launches"] > 0, r
