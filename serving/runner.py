@@ -65,9 +65,9 @@ class FlatState:
         return jax.tree.unflatten(self.treedef, self.leaves)
 
 
-def _merge(graphdef, state) -> HybridLM:
-    """``nnx.merge`` of a program's state argument (a :class:`FlatState` or an NNX state)."""
-    return nnx.merge(graphdef, state.state() if isinstance(state, FlatState) else state)
+def _merge(graphdef, state: FlatState) -> HybridLM:
+    """The model inside a program, from its :class:`FlatState` argument."""
+    return nnx.merge(graphdef, state.state())
 
 
 def _rows(pool: ModelCache, slots, page_table, lengths, *, fresh: bool = False) -> ModelCache:

@@ -314,9 +314,6 @@ class ProgramKey:
     # the runners' cache builders: ArenaCache, or a multi-device placement
     make_target_cache: object = ArenaCache
     make_draft_cache: object = ArenaCache
-    # the models' states travel as flat leaves (a call then skips flattening them)
-    target_treedef: object = None
-    draft_treedef: object = None
 
 
 @functools.cache
@@ -442,8 +439,8 @@ def _program(key: ProgramKey):
         return toks_c, par_c, q_c
 
     def step(
-        tleaves,
-        dleaves,
+        tflat,
+        dflat,
         buf,
         table,
         handles,
@@ -459,8 +456,8 @@ def _program(key: ProgramKey):
         top_k,
         top_p,
     ):
-        tstate = jax.tree.unflatten(key.target_treedef, tleaves)
-        dstate = None if dleaves is None else jax.tree.unflatten(key.draft_treedef, dleaves)
+        tstate = tflat.state()  # the runners' serving.runner.FlatState
+        dstate = None if dflat is None else dflat.state()
         keys = row_keys(seeds)
         if isinstance(tree, BudgetTree):
             tokens, parents, draft_logits = draft_budget(
@@ -543,11 +540,8 @@ class DeviceSpeculator:
             sampling=True,
             make_target_cache=runner.make_cache,
             make_draft_cache=draft_runner.make_cache if draft_runner is not None else ArenaCache,
-            target_treedef=runner._state.treedef,
-            draft_treedef=None if draft_runner is None else draft_runner._state.treedef,
         )
-        self._tleaves = runner._state.leaves
-        self._dleaves = None if draft_runner is None else draft_runner._state.leaves
+        self._dstate = None if draft_runner is None else draft_runner._state
         # the program variants, looked up once (hashing the key each step costs milliseconds)
         self._programs = {
             s: _program(dataclasses.replace(self.key, sampling=s)) for s in (False, True)
@@ -588,8 +582,8 @@ class DeviceSpeculator:
         self.calls += 1
         program = self._programs[bool(np.any(temp > 0))]
         out, counts, hid, r._buf = program(
-            self._tleaves,
-            self._dleaves,
+            r._state,
+            self._dstate,
             r._buf,
             r.table(),
             handles,

@@ -9,7 +9,6 @@ with that layer's key; embeddings, final norm, LM head and MTP head come from on
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -56,20 +55,30 @@ def init_random(
 
 
 def _layerwise_state(config, dtype, seed, abstract_state, out) -> nnx.State:
-    """The parameter state of :func:`init_random`, one program per distinct layer kind."""
+    """The parameter state of :func:`init_random`, one program per distinct layer kind (and
+    layer shardings)."""
     outer = dataclasses.replace(config, num_hidden_layers=0, layer_types=())
+
+    def make_outer(key):
+        return nnx.split(HybridLM(outer, dtype=dtype, rngs=nnx.Rngs(key)))[1]
+
     outer_key = jax.random.fold_in(jax.random.key(seed), 0)
-    flat = dict(nnx.to_flat_state(_outer_program(outer, dtype, _part(out, None))(outer_key)))
+    flat = dict(nnx.to_flat_state(jax.jit(make_outer, out_shardings=_part(out, None))(outer_key)))
+    programs = {}
     for i, kind in enumerate(config.layer_types):
+        moe, shardings = config.is_moe_layer(i), _part(out, i)
+        tag = (kind, moe, repr(jax.tree.structure(shardings)), repr(jax.tree.leaves(shardings)))
+        if tag not in programs:
+
+            def make_layer(key, kind=kind, moe=moe):
+                layer = DecoderLayer(config, kind, moe, dtype=dtype, rngs=nnx.Rngs(key))
+                return nnx.split(layer)[1]
+
+            programs[tag] = jax.jit(make_layer, out_shardings=shardings)
         key = jax.random.fold_in(jax.random.key(seed), i + 1)
-        make = _layer_program(config, kind, config.is_moe_layer(i), dtype, _part(out, i))
-        for path, v in nnx.to_flat_state(make(key)):
+        for path, v in nnx.to_flat_state(programs[tag](key)):
             flat[("layers", i, *path)] = v
-    expected = [p for p, _ in nnx.to_flat_state(abstract_state)]
-    missing = [p for p in expected if p not in flat]
-    if missing or len(flat) != len(expected):
-        raise AssertionError(f"layer-by-layer creation does not match the model: {missing[:3]}")
-    return nnx.from_flat_state([(p, flat[p]) for p in expected])
+    return nnx.from_flat_state([(p, flat[p]) for p, _ in nnx.to_flat_state(abstract_state)])
 
 
 def _part(out, layer: int | None):
@@ -79,39 +88,4 @@ def _part(out, layer: int | None):
         return out
     if layer is not None:
         return out["layers"][layer]
-    flat = [(p, v) for p, v in nnx.to_flat_state(out) if p[0] != "layers"]
-    return nnx.from_flat_state(flat)
-
-
-def _outer_program(outer: ModelConfig, dtype, out):
-    def create(key):
-        return nnx.split(HybridLM(outer, dtype=dtype, rngs=nnx.Rngs(key)))[1]
-
-    return jax.jit(create, out_shardings=out)
-
-
-def _layer_program(config, kind, moe, dtype, out):
-    # compiled once per (kind, moe, shardings): jax.jit caches on the function object
-    return _layer_program_cached(config, kind, moe, jnp.dtype(dtype), _Hashable(out))
-
-
-class _Hashable:
-    """Shardings as a cache key (by their tree structure and leaves' string forms)."""
-
-    def __init__(self, value):
-        self.value = value
-        self.key = repr(jax.tree.leaves(value)) + repr(jax.tree.structure(value))
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return isinstance(other, _Hashable) and self.key == other.key
-
-
-@functools.lru_cache(maxsize=16)
-def _layer_program_cached(config, kind, moe, dtype, out: _Hashable):
-    def create(key):
-        return nnx.split(DecoderLayer(config, kind, moe, dtype=dtype, rngs=nnx.Rngs(key)))[1]
-
-    return jax.jit(create, out_shardings=out.value)
+    return nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(out) if p[0] != "layers"])
