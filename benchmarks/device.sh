@@ -29,9 +29,10 @@
 #                       decode at B 1/16/64/256, verify N 29/64 at B 16, 4k-token prefill,
 #                       each against its floor; KERNELS (auto), LIMIT (580 s), ARGS (extra)
 #   arena_copies        arena_copies: whole-arena copies in each arena program, auto and xla
-#   model_step_flags    model_step: Qwen3.5-35B-A3B cut to 8 layers, decode at B 1 and 16 and a
-#                       29-node verify, under XLA's default command buffers (CUDA graphs), with
-#                       them off, and with every command type captured (16 GB arena)
+#   model_step_flags    model_step: Qwen3.5-35B-A3B cut to 8 layers, decode at B 1 and 16 (BATCH)
+#                       and a 29-node verify, kernels profiled, under XLA's default command
+#                       buffers (CUDA graphs; the decode HLO dumped), with them off, and with every
+#                       command type captured (GRAPHS picks; 16 GB arena)
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
@@ -159,15 +160,16 @@ step() {
   model_step_flags)
     local all=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION
     local name flags
-    for name in default off all; do
+    for name in ${GRAPHS:-default off all}; do
       case $name in
-        default) flags= ;;
+        default) flags="--xla_dump_to=$OUT/model_step/hlo_8l --xla_dump_hlo_module_re=.*decode.*" ;;
         off) flags=--xla_gpu_enable_command_buffer= ;;
         all) flags="--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1" ;;
       esac
-      XLA_FLAGS="$flags" TAILN=10 run 150 model_step "h200_8l_graphs_$name" \
-        python3 -m benchmarks.model_step --layers 8 --batch 1,16 --tree-sizes 29 \
-        --prefill-prompts 0 --memory-budget 16e9 --json "$(json model_step "h200_8l_graphs_$name")"
+      XLA_FLAGS="$flags" TAILN=40 run "${LIMIT:-200}" model_step "h200_8l_graphs_$name" \
+        python3 -m benchmarks.model_step --layers 8 --batch "${BATCH:-1,16}" --tree-sizes 29 \
+        --prefill-prompts 0 --memory-budget 16e9 --reps 10 --profile \
+        --json "$(json model_step "h200_8l_graphs_$name")"
     done
     ;;
   layers)

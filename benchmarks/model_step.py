@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.common import fmt_bytes, ints, load_config, log, markdown_table, write_json  # noqa: E402
+from benchmarks.kernel_profile import profile as profile_kernels  # noqa: E402
 from benchmarks.layers import SMOKE, random_parents  # noqa: E402
 from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
 from gdn_jax.models.config import FULL  # noqa: E402
@@ -204,11 +205,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--max-prefill-tokens", type=int, default=8192, help="the engine's prefill step tokens"
     )
+    ap.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=8,
+        help="the engine's CUDA graph bound (steps of at most this many tokens run as graphs)",
+    )
     ap.add_argument("--reps", type=int, default=20, help="timed calls per program")
     ap.add_argument(
         "--memory-budget",
         type=lambda x: int(float(x)),
         help="arena bytes (default: the device's free memory less 12 GiB)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace each decode and verify step's device kernels (count, busy time, "
+        "the slowest by name; benchmarks.kernel_profile)",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -261,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_model_len=max_len,
         prefill_chunk=args.prefill_chunk,
         max_prefill_tokens=args.max_prefill_tokens,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         dtype=args.dtype,
         kernels=args.kernels,
     )
@@ -286,8 +300,14 @@ def main(argv: list[str] | None = None) -> dict:
         rows=rows,
     )
 
-    def add(row: dict) -> None:
+    def add(row: dict, call=None) -> None:
         row["over_floor"] = row["ms"] / row["floor_ms"]
+        if args.profile and call is not None:
+            prof = profile_kernels(call, block)
+            row.update({k: prof.get(k) for k in ("kernels", "busy_ms", "span_ms")})
+            doc.setdefault("profiles", []).append(
+                dict(step=row["step"], batch=row["batch"], **prof)
+            )
         rows.append(row)
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
         if args.json:
@@ -307,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
             verify_rows = (handles, pages, lengths)
         if b in args.batch:
             fl = floor_s(w, mc, b, args.context, 1, True, bw, flops)
-            add(dict(step="decode", batch=b, tokens=b, ms=ms, dispatch_ms=dispatch, **fl))
+            add(dict(step="decode", batch=b, tokens=b, ms=ms, dispatch_ms=dispatch, **fl), call)
     handles, pages, lengths = verify_rows
     vb = args.verify_batch
     for n in args.tree_sizes:
@@ -328,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
                 dispatch_ms=dispatch,
                 over_decode=ms / decode_ms[vb],
                 **fl,
-            )
+            ),
+            call,
         )
     if args.prefill_prompts < 1:  # no prefill row
         return _report(args, doc, rows, name, mc, runner, bw, flops)
@@ -375,11 +396,18 @@ def _report(args, doc, rows, name, mc, runner, bw, flops) -> dict:
         ("floor_ms", "floor ms"),
         ("over_floor", "/ floor"),
         ("dispatch_ms", "dispatch ms"),
+        ("kernels", "kernels"),
+        ("busy_ms", "GPU busy ms"),
         ("bound", "floor bound"),
         ("over_decode", "/ decode"),
         ("tokens_per_s", "tokens/s"),
     ]
     print(markdown_table(rows, cols, digits=4))
+    for prof in doc.get("profiles", []):
+        if prof.get("top"):
+            print(f"\n{prof['step']}, B {prof['batch']}: the kernels that took the most time")
+            top_cols = [("name", "kernel"), ("per_call", "per step"), ("ms", "ms per step")]
+            print(markdown_table(prof["top"], top_cols, digits=4))
     if args.json:
         write_json(args.json, doc)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -115,6 +115,7 @@ def _generate(args) -> None:
         max_model_len=args.max_model_len,
         prefill_chunk=args.prefill_chunk,
         max_prefill_tokens=args.max_prefill_tokens,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         load_format=args.load_format,
         **_parallel(args),
     )
@@ -148,6 +149,7 @@ def _serve(args) -> None:
         max_model_len=args.max_model_len,
         prefill_chunk=args.prefill_chunk,
         max_prefill_tokens=args.max_prefill_tokens,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         kernels=args.kernels,
         load_format=args.load_format,
         **_parallel(args),
@@ -250,6 +252,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="most prompt tokens one prefill step computes (default: max(8192, prefill chunk))",
+    )
+    p.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=8,
+        help="on a GPU, steps of at most this many tokens run as CUDA graphs, larger ones "
+        "launch kernels one by one; 0: no graphs (default: %(default)s)",
     )
     p.add_argument(
         "--dtype",

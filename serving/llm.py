@@ -21,6 +21,7 @@ from gdn_jax.models.loading import load_config
 from gdn_jax.models.model import set_kernel_impl
 from serving.engine import Engine, buckets_for, make_drafter
 from serving.kernels import KERNEL_CHOICES, model_impl
+from serving.launch import DEFAULT_GRAPH_TOKENS
 from serving.memory import MemoryManager, OutOfMemoryError, layout_for
 from serving.parallel import ParallelConfig, ReplicaEngine, ReplicaScheduler
 from serving.params import SamplingParams, SpecConfig
@@ -196,6 +197,10 @@ class LLM:
         activations. Default: ``max(8192, prefill_chunk)``.
       batch_buckets: the padded batch sizes the steps compile for (default: powers of two
         below ``max_num_seqs``, and ``max_num_seqs``); the largest must be ``max_num_seqs``.
+      cuda_graph_max_tokens: on a GPU, steps of at most this many tokens (rows x tokens per
+        row) run as one CUDA graph each; larger ones launch their kernels one by one, which
+        overlaps the host's launches with the device's work (:mod:`serving.launch`). ``0``:
+        no graphs.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
@@ -245,6 +250,7 @@ class LLM:
         prefill_chunk: int = 64,
         max_prefill_tokens: int | None = None,
         batch_buckets: Sequence[int] | None = None,
+        cuda_graph_max_tokens: int = DEFAULT_GRAPH_TOKENS,
         segment_bytes: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
@@ -267,6 +273,10 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(cuda_graph_max_tokens, int) or cuda_graph_max_tokens < 0:
+            raise ValueError(
+                f"cuda_graph_max_tokens must be a non-negative int, got {cuda_graph_max_tokens!r}"
+            )
         if dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
         if cache not in ("arena", "pools"):
@@ -400,7 +410,11 @@ class LLM:
         num_pages = max_num_seqs * pages_per_seq
         if cache == "arena":
             self.runner = ArenaRunner(
-                self.model, self.manager, kernels=kernels, placement=placement
+                self.model,
+                self.manager,
+                kernels=kernels,
+                placement=placement,
+                graph_tokens=cuda_graph_max_tokens,
             )
         else:
             self.runner = ModelRunner(
@@ -415,7 +429,12 @@ class LLM:
             # (the draft's geometry may not suit the kernels the target was forced onto)
             draft_kernels = "auto" if kernels == "pallas" else kernels
             draft_runner = ArenaRunner(
-                draft, self.manager, kernels=draft_kernels, draft=True, placement=draft_placement
+                draft,
+                self.manager,
+                kernels=draft_kernels,
+                draft=True,
+                placement=draft_placement,
+                graph_tokens=cuda_graph_max_tokens,
             )
         elif draft is not None:
             draft_runner = ModelRunner(

@@ -34,6 +34,7 @@ from flax import nnx
 from gdn_jax.models import steps
 from gdn_jax.models.cache import ModelCache, TreeState, init_cache
 from gdn_jax.models.model import HybridLM
+from serving import launch
 from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
 from serving.kernels import XLA_KERNELS, ArenaKernels, model_impl, select_kernels
@@ -223,6 +224,7 @@ def _arena_programs(
     kernels: ArenaKernels = XLA_KERNELS,
     commit_impl: str = "auto",
     make_cache=ArenaCache,
+    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
 ):
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
     decode, verify, commit). ``kernels`` picks XLA or the in-place Pallas kernels for verify
@@ -242,7 +244,10 @@ def _arena_programs(
 
     ``make_cache``: builds the programs' cache from ``(buf, table, handles, pages, lengths, spec,
     kernels)``: :class:`ArenaCache`, or a multi-device placement
-    (:class:`serving.parallel.Placement`, whose arena has one slice per device)."""
+    (:class:`serving.parallel.Placement`, whose arena has one slice per device).
+
+    ``graph_tokens``: steps of at most this many tokens run as CUDA graphs, larger ones launch
+    their kernels one by one (:mod:`serving.launch`); the commit always runs as a graph."""
 
     def cache_of(buf, table, handles, pages, lengths):
         # every read before every write (ArenaCache.flush): no copy of the arena
@@ -277,18 +282,23 @@ def _arena_programs(
         out = verify(state, buf, table, handles, pages, lengths, tokens, parents, snapshot=False)
         return out[0]
 
-    prefill, decode = _arena_sequence_programs(graphdef, spec, _attention_only(kernels), make_cache)
+    gt = graph_tokens
+    prefill, decode = _arena_sequence_programs(
+        graphdef, spec, _attention_only(kernels), make_cache, gt
+    )
     if kernels.decode:
-        decode = _arena_decode_program(graphdef, spec, kernels, make_cache)
+        decode = _arena_decode_program(graphdef, spec, kernels, make_cache, gt)
     if kernels.prefill:  # prefill's GDN layers by the in-place arena prefill kernel too
-        prefill = _arena_sequence_programs(graphdef, spec, kernels, make_cache)[0]
+        prefill = _arena_sequence_programs(graphdef, spec, kernels, make_cache, gt)[0]
+    # tokens are positional argument 6 of verify and tree_logits
     return (
         prefill,
         decode,
-        jax.jit(verify, donate_argnums=1, static_argnames="snapshot"),
-        jax.jit(commit, donate_argnums=0),
-        jax.jit(verify, static_argnames="snapshot"),  # transient: no scratch, arena only read
-        jax.jit(tree_logits),  # drafting: logits alone, arena only read
+        launch.ByTokens(verify, gt, 6, donate_argnums=1, static_argnames="snapshot"),
+        launch.jit(commit, donate_argnums=0),
+        # transient: no scratch, arena only read
+        launch.ByTokens(verify, gt, 6, static_argnames="snapshot"),
+        launch.ByTokens(tree_logits, gt, 6),  # drafting: logits alone, arena only read
     )
 
 
@@ -302,7 +312,11 @@ def _attention_only(kernels: ArenaKernels) -> ArenaKernels:
 
 @functools.cache
 def _arena_sequence_programs(
-    graphdef, spec: ArenaSpec, kernels: ArenaKernels = XLA_KERNELS, make_cache=ArenaCache
+    graphdef,
+    spec: ArenaSpec,
+    kernels: ArenaKernels = XLA_KERNELS,
+    make_cache=ArenaCache,
+    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
 ):
     """Prefill and decode over the arena (``buf`` donated and returned): XLA windows, the
     attention layers by the in-place paged attention kernel when ``kernels.attention``."""
@@ -322,12 +336,18 @@ def _arena_sequence_programs(
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, cache.buffer
 
-    decode = _arena_decode_program(graphdef, spec, kernels, make_cache)
-    return jax.jit(prefill, donate_argnums=1), decode
+    decode = _arena_decode_program(graphdef, spec, kernels, make_cache, graph_tokens)
+    return launch.ByTokens(prefill, graph_tokens, 6, donate_argnums=1), decode
 
 
 @functools.cache
-def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels, make_cache=ArenaCache):
+def _arena_decode_program(
+    graphdef,
+    spec: ArenaSpec,
+    kernels: ArenaKernels,
+    make_cache=ArenaCache,
+    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
+):
     """Decode over the arena (``buf`` donated and returned): one token through
     :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run
     :func:`pallas_kernels.decode.arena.recurrent_step` on the states in place
@@ -346,7 +366,7 @@ def _arena_decode_program(graphdef, spec: ArenaSpec, kernels: ArenaKernels, make
         logits = logits.astype(jnp.float32)
         return logits, jnp.argmax(logits, -1), hidden, cache.buffer
 
-    return jax.jit(decode, donate_argnums=1)
+    return launch.ByTokens(decode, graph_tokens, 6, donate_argnums=1)
 
 
 class ArenaRunner:
@@ -398,6 +418,9 @@ class ArenaRunner:
     it drafts with :meth:`tree_logits` (the arena only read) and catches up with
     :meth:`prefill`.
 
+    ``graph_tokens``: steps of at most this many tokens (rows x tokens per row) run as CUDA
+    graphs on a GPU, larger ones launch their kernels one by one (:mod:`serving.launch`).
+
     ``placement``: a :class:`serving.parallel.Placement` when the model is split over several
     devices: the manager's layout is then one device's share (``placement.local_config``),
     its arena one slice per device, and the programs' cache the placement's
@@ -413,8 +436,10 @@ class ArenaRunner:
         kernels: str = "auto",
         draft: bool = False,
         placement=None,
+        graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
     ):
         self.kind = "arena"
+        self.graph_tokens = graph_tokens
         self.model = model
         self.config = model.config
         self.manager = manager
@@ -445,6 +470,7 @@ class ArenaRunner:
             self.kernel_choice,
             model_impl(kernels),
             self.make_cache,
+            graph_tokens,
         )
         self._table = None
         self.table_uploads = 0

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.models import steps
+from serving import launch
 from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
 from serving.kernels import ArenaKernels
@@ -314,6 +315,8 @@ class ProgramKey:
     # the runners' cache builders: ArenaCache, or a multi-device placement
     make_target_cache: object = ArenaCache
     make_draft_cache: object = ArenaCache
+    # steps of at most this many tree tokens run as CUDA graphs (serving.launch)
+    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS
 
 
 @functools.cache
@@ -506,7 +509,8 @@ def _program(key: ProgramKey):
         hidden_next = hid[jnp.arange(hid.shape[0]), last]
         return emitted(tokens, path, path_len, nxt), path_len, hidden_next, buf
 
-    return jax.jit(step, donate_argnums=2)
+    # the tree tokens [B, N] are positional argument 8
+    return launch.ByTokens(step, key.graph_tokens, 8, donate_argnums=2)
 
 
 class DeviceSpeculator:
@@ -540,6 +544,7 @@ class DeviceSpeculator:
             sampling=True,
             make_target_cache=runner.make_cache,
             make_draft_cache=draft_runner.make_cache if draft_runner is not None else ArenaCache,
+            graph_tokens=runner.graph_tokens,
         )
         self._dstate = None if draft_runner is None else draft_runner._state
         # the program variants, looked up once (hashing the key each step costs milliseconds)

@@ -85,7 +85,7 @@ def test_model_step_smoke(tmp_path, capsys):
     from benchmarks import model_step
 
     out = tmp_path / "model_step.json"
-    doc = model_step.main(["--smoke", "--json", str(out)])
+    doc = model_step.main(["--smoke", "--profile", "--json", str(out)])
     assert json.loads(out.read_text())["rows"] == doc["rows"]
     steps = [r["step"] for r in doc["rows"]]
     assert steps == ["decode", "decode", "verify N 5", "verify N 9", "prefill 64"]
@@ -106,3 +106,25 @@ def test_arena_programs_update_the_arena_in_place():
         assert r["arena_copies"] == 0, r
         assert r["temp_over_arena"] < 0.1, r
         assert r["launches"] > 0, r
+
+
+def test_kernel_profile_summarizes_calls():
+    """Kernel events of three calls (told apart by idle gaps): per-call counts, busy time,
+    span and the kernels by time, XLA's numeric suffixes folded into one name."""
+    from benchmarks.kernel_profile import GAP_NS, summarize
+
+    events = []
+    for c in range(3):
+        t0 = c * 4 * GAP_NS
+        events += [
+            (f"loop_add_fusion.{c}", t0, 1000.0),
+            ("gemm_fusion_dot_12", t0 + 3000, 5000.0),
+            ("loop_add_fusion.7", t0 + 9000, 2000.0),
+        ]
+    out = summarize(events[::-1])
+    assert out["calls"] == 3 and out["kernels"] == 3
+    assert out["busy_ms"] == pytest.approx(8e-3) and out["span_ms"] == pytest.approx(11e-3)
+    assert [(r["name"], r["per_call"]) for r in out["top"]] == [
+        ("gemm_fusion_dot", 1),
+        ("loop_add_fusion", 2),
+    ]
