@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         kernels=runner.kernels,
         device=jax.devices()[0].device_kind,
         build_s=build_s,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
         bandwidth_bytes_per_s=bw,
         matmul_flops_per_s=flops,
         args=vars(args),
