@@ -29,28 +29,37 @@ GRAPHS = {"xla_gpu_require_exclusive_lock": True}
 NO_GRAPHS = {**GRAPHS, "xla_gpu_enable_command_buffer": ""}
 
 
-def jit(fn, *, graphs: bool = True, **kwargs):
-    """``jax.jit(fn, **kwargs)`` with the engine's launch options (CUDA graphs or not)."""
-    return jax.jit(fn, compiler_options=GRAPHS if graphs else NO_GRAPHS, **kwargs)
+def jit(fn, **kwargs) -> ByTokens:
+    """``jax.jit(fn, **kwargs)`` as a CUDA graph whatever its size, with the engine's launch
+    options."""
+    return ByTokens(fn, None, 0, **kwargs)
 
 
 class ByTokens:
     """A step function jitted twice: a CUDA graph for calls of at most ``graph_tokens`` tokens
-    (the size of positional argument ``tokens_arg``), kernels launched one by one above.
+    (the size of positional argument ``tokens_arg``; ``None``: every call), kernels launched
+    one by one above.
 
-    Each variant compiles only when first called, so a bucket compiles once. Quacks like a
-    jitted function for the engine's bookkeeping: ``lower`` and ``_cache_size``."""
+    Each variant compiles only when first called, so a bucket compiles once. Called inside
+    another trace (``jax.make_jaxpr``, an enclosing ``jit``) it is a plain ``jax.jit``: compiler
+    options belong to the outermost program. Quacks like a jitted function for the engine's
+    bookkeeping: ``lower`` and ``_cache_size``."""
 
-    def __init__(self, fn, graph_tokens: int, tokens_arg: int, **jit_kwargs):
-        if graph_tokens < 0:
+    def __init__(self, fn, graph_tokens: int | None, tokens_arg: int, **jit_kwargs):
+        if graph_tokens is not None and graph_tokens < 0:
             raise ValueError(f"graph_tokens must be >= 0, got {graph_tokens}")
         self.graph_tokens, self.tokens_arg = graph_tokens, tokens_arg
-        self.graphs = jit(fn, graphs=True, **jit_kwargs)
-        self.kernels = jit(fn, graphs=False, **jit_kwargs)
+        self.graphs = jax.jit(fn, compiler_options=GRAPHS, **jit_kwargs)
+        self.kernels = jax.jit(fn, compiler_options=NO_GRAPHS, **jit_kwargs)
+        self.traced = jax.jit(fn, **jit_kwargs)
 
     def pick(self, args):
-        size = np.size(args[self.tokens_arg])
-        return self.graphs if size <= self.graph_tokens else self.kernels
+        tokens = args[self.tokens_arg]
+        if isinstance(tokens, jax.core.Tracer):
+            return self.traced
+        if self.graph_tokens is None or np.size(tokens) <= self.graph_tokens:
+            return self.graphs
+        return self.kernels
 
     def __call__(self, *args, **kwargs):
         return self.pick(args)(*args, **kwargs)
@@ -59,4 +68,4 @@ class ByTokens:
         return self.pick(args).lower(*args, **kwargs)
 
     def _cache_size(self) -> int:
-        return self.graphs._cache_size() + self.kernels._cache_size()
+        return sum(f._cache_size() for f in (self.graphs, self.kernels, self.traced))

@@ -88,7 +88,7 @@ def test_model_step_smoke(tmp_path, capsys):
     doc = model_step.main(["--smoke", "--profile", "--json", str(out)])
     assert json.loads(out.read_text())["rows"] == doc["rows"]
     steps = [r["step"] for r in doc["rows"]]
-    assert steps == ["decode", "decode", "verify N 5", "verify N 9", "prefill 64"]
+    assert steps == ["decode", "decode", "verify N 5", "verify N 9", "prefill step", "prefill 64"]
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in doc["rows"])
     d1, d4 = doc["rows"][:2]
     assert d4["floor_bytes"] > d1["floor_bytes"]

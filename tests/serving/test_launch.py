@@ -1,6 +1,7 @@
 """The engine's launch policy (:mod:`serving.launch`): steps up to ``graph_tokens`` tokens
 compile as CUDA graphs, larger ones without; both variants compute the same thing."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +23,12 @@ def test_by_tokens_routes_by_the_step_size():
     np.testing.assert_allclose(f(w, big), np.tanh(big * w).sum(-1), rtol=1e-6)
     assert (f.graphs._cache_size(), f.kernels._cache_size(), f._cache_size()) == (1, 1, 2)
     assert "tanh" in f.lower(w, big).as_text()
+    # inside another trace: a plain jit (compiler options are the outer program's)
+    inner = jax.jit(lambda w, t: f(w, t) + 1.0)
+    np.testing.assert_allclose(inner(w, big), np.tanh(big * w).sum(-1) + 1.0, rtol=1e-6)
+    assert "tanh" in str(jax.make_jaxpr(f)(w, small))
+    always = launch.jit(lambda t: t * 2.0)
+    assert always.pick((big,)) is always.graphs
     with pytest.raises(ValueError, match="graph_tokens"):
         launch.ByTokens(lambda t: t, -1, 0)
 
