@@ -190,6 +190,28 @@ def test_sparse_moe_matches_float64(impl):
     assert rel_err(got, routed64(x, weights, experts, *params)) < 1e-5
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_matches_float64_softmax_topk(norm):
+    """The router's ids and weights equal HF's rule in float64 (softmax over all experts, its
+    top-k, renormalised when ``norm_topk_prob``), on random router weights and inputs."""
+    moe = tiny_moe(jnp.float32, seed=5)
+    moe.norm_topk_prob = norm
+    rng = np.random.default_rng(5)
+    moe.gate.weight[...] = jnp.asarray(rng.normal(size=moe.gate.weight.shape), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(9, H)), jnp.float32)
+    weights, experts = moe.route(x)
+    logits = np.asarray(x, np.float64) @ np.asarray(moe.gate.weight[...], np.float64).T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :K]
+    top = np.take_along_axis(p, ids, -1)
+    if norm:
+        top /= top.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(experts, ids)
+    np.testing.assert_allclose(weights, top, rtol=1e-5, atol=1e-7)
+    chex.assert_type([weights, experts], [jnp.float32, jnp.int32])
+
+
 def test_router_ties():
     """A zero router gives tied probabilities: ``top_k`` takes experts ``0..k-1`` with equal
     weights ``1/k``, and the routed sum equals float64."""
