@@ -236,7 +236,7 @@ class ArenaCache:
         kn = self.kernels
         if not kn.decode:
             return None
-        from pallas_kernels.decode.arena import recurrent_step
+        from pallas_kernels.decode.arena import recurrent_step, recurrent_step_mixed
 
         def rule(q, k, v, g, beta, *, use_qk_l2norm: bool):
             o, buf = recurrent_step(
@@ -251,6 +251,26 @@ class ArenaCache:
             )
             return o[:, None], dataclasses.replace(self, buffer=buf)
 
+        def raw(mixed, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool):
+            # the same step on the layer's raw inputs: the kernel splits the conv's channels
+            # and forms the gates itself (two XLA kernels fewer per layer)
+            hv, dk, dv = self.spec.state_shape
+            o, buf = recurrent_step_mixed(
+                mixed[:, 0],
+                a[:, 0],
+                b[:, 0],
+                a_log,
+                dt_bias,
+                **self._gdn_kernel_args(gi, fresh=False),
+                num_k_heads=(mixed.shape[-1] - hv * dv) // (2 * dk),
+                head_k_dim=dk,
+                use_qk_l2norm=use_qk_l2norm,
+                zero_state=self.lengths <= 0,
+                live=None if num_tokens is None else num_tokens > 0,
+            )
+            return o[:, None], dataclasses.replace(self, buffer=buf)
+
+        rule.raw = raw
         return rule
 
     def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array) -> SequenceRule | None:

@@ -34,7 +34,9 @@ class SequenceRule(Protocol):
     :meth:`StepCache.gdn_step_rule` and :meth:`StepCache.gdn_prefill_rule` return).
 
     Takes ``q, k [B, T, Hv, K]``, ``v [B, T, Hv, V]``, ``g, beta [B, T, Hv]`` (after the conv);
-    returns the output ``o [B, T, Hv, V]`` and the cache holding the updated state."""
+    returns the output ``o [B, T, Hv, V]`` and the cache holding the updated state. It may also
+    carry a ``raw`` attribute: the same rule on the layer's raw inputs
+    (:meth:`gdn_jax.models.gdn.GatedDeltaNet.__call__` says when it is used)."""
 
     def __call__(
         self,

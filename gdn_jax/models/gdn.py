@@ -59,13 +59,18 @@ class GatedDeltaNet(nnx.Module):
         # blocks are each [q_d | k_d | v_d] (gdn_jax.sharding.qkv_rows)
         self.qkv_groups = 1
 
+    def gate_inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gates' raw projections ``(a, b)``, f32 ``[B, T, Hv]``: ``g = -exp(A_log)
+        softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
+        return self.in_proj_a(x).astype(jnp.float32), self.in_proj_b(x).astype(jnp.float32)
+
     def project(self, x: jax.Array):
         """``(qkv [B, T, C] pre-conv, z [B, T, Hv, V], g f32 [B, T, Hv], beta f32 [B, T, Hv])``."""
         cfg = self.cfg
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).reshape(*x.shape[:2], cfg.linear_num_value_heads, -1)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
-        a = self.in_proj_a(x).astype(jnp.float32)
+        a, b = self.gate_inputs(x)
+        beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
         return qkv, z, g, beta
 
@@ -103,7 +108,12 @@ class GatedDeltaNet(nnx.Module):
 
         ``rule``: a rule that finds the recurrent state itself (``rule(q, k, v, g, beta, *,
         use_qk_l2norm) -> (o, result)``, e.g. the serving arena's in-place decode kernel);
-        ``ssm_state`` is then unused and the third output is the rule's ``result``.
+        ``ssm_state`` is then unused and the third output is the rule's ``result``. A rule with
+        a ``raw`` attribute takes the layer's raw inputs instead (``rule.raw(mixed, a, b, A_log,
+        dt_bias, *, num_tokens, use_qk_l2norm)``: the conv's output channels and the gates'
+        projections, :meth:`gate_inputs`), so no separate kernel splits the channels or forms
+        the gates; used when the channels are one ``[q | k | v]`` block (no tensor-parallel
+        groups).
         """
         qkv, z, g, beta = self.project(x)
         b, t = x.shape[:2]
@@ -114,6 +124,19 @@ class GatedDeltaNet(nnx.Module):
             live = (jnp.arange(t)[None, :] < num_tokens[:, None])[..., None]
             g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
             new_conv = conv_state_after(conv_state, qkv, num_tokens)
+        raw = getattr(rule, "raw", None)
+        if raw is not None and self.qkv_groups == 1:
+            a, b_ = self.gate_inputs(x)
+            o, new_ssm = raw(
+                mixed,
+                a,
+                b_,
+                self.A_log[...],
+                self.dt_bias[...],
+                num_tokens=num_tokens,
+                use_qk_l2norm=True,
+            )
+            return self.finish(o, z), new_conv, new_ssm
         q, k, v = self.split(mixed)
         if rule is not None:
             o, new_ssm = rule(q, k, v, g, beta, use_qk_l2norm=True)

@@ -159,6 +159,126 @@ def recurrent_step(
     return o, arena
 
 
+def _softplus(x):
+    """``log(1 + exp(x))`` in a form that neither overflows nor loses small values."""
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def step_gates(a, b, a_log, dt_bias):
+    """The decay and write strength of a Gated DeltaNet token from its raw projections (the
+    model's rule, :meth:`gdn_jax.models.gdn.GatedDeltaNet.project`), in f32:
+    ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
+    a, b = a.astype(F32), b.astype(F32)
+    g = -jnp.exp(a_log.astype(F32)) * _softplus(a + dt_bias.astype(F32))
+    return g, 1.0 / (1.0 + jnp.exp(-b))
+
+
+def recurrent_step_mixed(
+    mixed,
+    a,
+    b,
+    a_log,
+    dt_bias,
+    arena,
+    table,
+    handles,
+    *,
+    num_k_heads: int,
+    head_k_dim: int,
+    state_offset: int,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    zero_state=None,
+    live=None,
+    block_v: int = 64,
+    num_warps: int = 4,
+    interpret: bool = False,
+):
+    """:func:`recurrent_step` on the layer's raw inputs: the conv's output channels
+    ``mixed [B, C]`` (``[q | k | v]``, ``C = 2 Hk K + Hv V``) and the gate projections
+    ``a, b [B, Hv]`` with the layer's ``a_log, dt_bias [Hv]``; each program reads its q, k and
+    v slices of ``mixed`` and forms ``g, beta`` itself (:func:`step_gates`), so no XLA kernel
+    splits the channels or computes the gates. ``live`` (optional ``bool [B]``): rows whose
+    token is padding (``False``) leave their state unchanged (``g = beta = 0``, as the
+    model's ``num_tokens`` masking), their output the unchanged state's readout.
+
+    Returns ``(o [B, Hv, V] in mixed's dtype, arena)``."""
+    if mixed.ndim != 2:
+        raise ValueError(f"mixed: expected [B, C], got shape {mixed.shape}")
+    bsz, c = mixed.shape
+    if a.ndim != 2 or a.shape[0] != bsz:
+        raise ValueError(f"a: expected [B={bsz}, Hv], got shape {a.shape}")
+    hv, hk, dk = a.shape[1], num_k_heads, head_k_dim
+    if b.shape != a.shape:
+        raise ValueError(f"b: expected a's shape {a.shape}, got {b.shape}")
+    for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
+        if x.shape != (hv,):
+            raise ValueError(f"{name}: expected shape [Hv] = ({hv},), got {x.shape}")
+    if hk < 1 or (c - 2 * hk * dk) <= 0 or (c - 2 * hk * dk) % hv:
+        raise ValueError(
+            f"mixed: {c} channels are not 2 * Hk * K + Hv * V with Hk = {hk}, K = {dk}, Hv = {hv}"
+        )
+    dv = (c - 2 * hk * dk) // hv
+    check_heads_dims(mixed, mixed, mixed, hk=hk, dk=dk, hv=hv, dv=dv)
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v: a power of two >= 16, got {block_v}")
+    check_arena(arena, table, handles, bsz, state_offset, hv, dk, dv)
+    zero_state = _row_flags("zero_state", zero_state, bsz)
+    live = jnp.ones((bsz,), jnp.int32) if live is None else _row_flags("live", live, bsz)
+    bv = min(block_v, dv)
+    grp = hv // hk
+    v0 = 2 * hk * dk // bv  # v's first block of bv channels
+    scale = dk**-0.5 if scale is None else float(scale)
+
+    def kernel(
+        q_ref, k_ref, v_ref, a_ref, b_ref, al_ref, dt_ref, lv_ref, zs_ref, hd_ref, tab_ref, ar_ref,
+        o_ref, out_ref,
+    ):  # fmt: skip
+        i, h = pl.program_id(0), pl.program_id(1)
+        ok, seg, idx = tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
+        s = load_state(ar_ref, (ok & (zs_ref[i] == 0), seg, idx))  # [K, bv] f32
+        g, beta = step_gates(a_ref[i, h], b_ref[i, h], al_ref[h], dt_ref[h])
+        on = lv_ref[i] != 0
+        g, beta = jnp.where(on, g, 0.0), jnp.where(on, beta, 0.0)
+        qv = prep_rows(q_ref[...], use_qk_l2norm, scale)  # [K]
+        kv = prep_rows(k_ref[...], use_qk_l2norm)
+        s = delta_update(s, kv, v_ref[...], g, beta)
+        o_ref[...] = readout(s, qv).astype(o_ref.dtype)
+        store_state(out_ref, (ok, seg, idx), s)
+
+    vec_q = pl.BlockSpec((None, dk), lambda i, h, j: (i, h // grp))
+    vec_k = pl.BlockSpec((None, dk), lambda i, h, j: (i, hk + h // grp))
+    vec_v = pl.BlockSpec((None, bv), lambda i, h, j: (i, v0 + h * (dv // bv) + j))
+    out_v = pl.BlockSpec((None, None, bv), lambda i, h, j: (i, h, j))
+    o, arena = pl.pallas_call(
+        kernel,
+        grid=(bsz, hv, dv // bv),
+        in_specs=[vec_q, vec_k, vec_v, *[whole()] * 9],
+        out_specs=(out_v, whole()),
+        out_shape=(
+            jax.ShapeDtypeStruct((bsz, hv, dv), mixed.dtype),
+            jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        ),
+        input_output_aliases={11: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_recurrent_step_mixed_arena",
+    )(
+        mixed,
+        mixed,
+        mixed,
+        a.astype(F32),
+        b.astype(F32),
+        a_log.astype(F32),
+        dt_bias.astype(F32),
+        live,
+        zero_state,
+        *_addressing(handles, table),
+        arena,
+    )
+    return o, arena
+
+
 def recurrent_prefill(
     q,
     k,

@@ -19,7 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_jax import recurrent_gated_delta_rule
-from pallas_kernels.decode.arena import recurrent_prefill, recurrent_step
+from pallas_kernels.decode.arena import (
+    recurrent_prefill,
+    recurrent_step,
+    recurrent_step_mixed,
+    step_gates,
+)
 from pallas_kernels.decode.reference import (
     recurrent_prefill_arena_reference,
     recurrent_prefill_reference,
@@ -215,6 +220,117 @@ def test_step_matches_reference():
         q, k, v, g, beta, *_addr(arena, STEP_HANDLES), state_offset=OFFSET, zero_state=fresh, **kw
     )
     _assert_matches_arena_reference(o, new, o_ref, new_ref, arena, hv, STEP_HANDLES)
+
+
+def _mixed_inputs(rng, b, hk, hv, dtype):
+    """The raw inputs of :func:`recurrent_step_mixed`: ``mixed [B, 2 Hk K + Hv V]``, gate
+    projections ``a, b [B, Hv]`` and the layer's ``A_log, dt_bias [Hv]`` (the model's init
+    ranges), and the same token as split ``q, k, v`` with f64 ``g, beta`` by the model's rule."""
+    mixed = jnp.asarray(rng.standard_normal((b, 2 * hk * K + hv * V)), dtype)
+    a = rng.standard_normal((b, hv)).astype(np.float32) * 2.0
+    bb = rng.standard_normal((b, hv)).astype(np.float32) * 2.0
+    a_log = np.log(rng.uniform(1.0, 16.0, hv)).astype(np.float32)
+    dt_bias = rng.uniform(0.5, 1.5, hv).astype(np.float32)
+    m = np.asarray(mixed, np.float64)
+    q = m[:, : hk * K].reshape(b, hk, K)
+    k = m[:, hk * K : 2 * hk * K].reshape(b, hk, K)
+    v = m[:, 2 * hk * K :].reshape(b, hv, V)
+    x = a.astype(np.float64) + dt_bias
+    g = -np.exp(a_log.astype(np.float64)) * np.logaddexp(x, 0.0)
+    beta = 1.0 / (1.0 + np.exp(-bb.astype(np.float64)))
+    raw = (mixed, jnp.asarray(a), jnp.asarray(bb), jnp.asarray(a_log), jnp.asarray(dt_bias))
+    return raw, (q, k, v, g, beta)
+
+
+@pytest.mark.parametrize(
+    "dtype, hk, hv, l2",
+    [(np.float32, 1, 2, True), (np.float32, 2, 4, False), (jnp.bfloat16, 2, 4, True)],
+)
+def test_step_mixed_matches_float64(dtype, hk, hv, l2):
+    """``recurrent_step_mixed`` on the raw layer inputs equals the float64 step on the split
+    channels with the model's gates; a row marked not live keeps its state and reads it out; a
+    fresh row starts from zeros; padding and every other word stay untouched."""
+    rng = np.random.default_rng(31 + hv)
+    handles = np.array([2, -1, 0, 4], np.int32)  # valid, padding, fresh, not live
+    fresh, live = np.array([False, False, True, False]), np.array([True, True, True, False])
+    b = len(handles)
+    raw, (q, k, v, g, beta) = _mixed_inputs(rng, b, hk, hv, dtype)
+    s0 = rng.standard_normal((b, hv, K, V)).astype(np.float32)
+    arena = _arena(rng, s0, handles, fresh)
+    fn = jax.jit(
+        functools.partial(
+            recurrent_step_mixed, num_k_heads=hk, head_k_dim=K, use_qk_l2norm=l2, **_KERNEL
+        ),
+        donate_argnums=5,
+    )
+    o, new = fn(*raw, *_addr(arena, handles), zero_state=jnp.asarray(fresh), live=jnp.asarray(live))
+    chex.assert_shape(o, (b, hv, V))
+    chex.assert_type(o, dtype)
+    got, other = _states(new, hv, handles)
+    tol = 2e-5 if dtype == np.float32 else 1e-2
+    for row in range(b):
+        start = np.zeros((hv, K, V)) if fresh[row] or handles[row] < 0 else s0[row]
+        gr, br = (g[row], beta[row]) if live[row] else (np.zeros(hv), np.zeros(hv))
+        o64, s64 = _f64_step(q[row], k[row], v[row], gr, br, start, K**-0.5, l2)
+        assert rel_err(np.asarray(o[row], np.float32), o64) < tol
+        if handles[row] >= 0:
+            assert rel_err(got[row], s64) < 2e-5
+        else:
+            assert got[row] is None
+    np.testing.assert_array_equal(np.asarray(new)[other], arena[other])
+
+
+def test_step_mixed_equals_split_step():
+    """The mixed-input kernel and :func:`recurrent_step` on the split channels and
+    :func:`step_gates`' gates give the same outputs and states (grouped heads)."""
+    rng = np.random.default_rng(37)
+    hk, hv = 2, 4
+    b = len(STEP_HANDLES)
+    (mixed, a, bb, a_log, dt_bias), _ = _mixed_inputs(rng, b, hk, hv, np.float32)
+    arena = _arena(rng, rng.standard_normal((b, hv, K, V)).astype(np.float32), STEP_HANDLES)
+    q = mixed[:, : hk * K].reshape(b, hk, K)
+    k = mixed[:, hk * K : 2 * hk * K].reshape(b, hk, K)
+    v = mixed[:, 2 * hk * K :].reshape(b, hv, V)
+    g, beta = step_gates(a, bb, a_log, dt_bias)
+    o1, new1 = _step(q, k, v, g, beta, *_addr(arena, STEP_HANDLES), use_qk_l2norm=True)
+    o2, new2 = recurrent_step_mixed(
+        mixed, a, bb, a_log, dt_bias, *_addr(arena, STEP_HANDLES), num_k_heads=hk,
+        head_k_dim=K, use_qk_l2norm=True, **_KERNEL,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(o2), np.asarray(o1), rtol=1e-6, atol=1e-6)
+    (s1, other), (s2, _) = _states(new1, hv, STEP_HANDLES), _states(new2, hv, STEP_HANDLES)
+    for x1, x2 in zip(s1, s2, strict=True):
+        if x1 is not None:
+            np.testing.assert_allclose(x2, x1, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(new2)[other], np.asarray(new1)[other])
+
+
+@pytest.mark.parametrize(
+    "name, change",
+    [
+        ("mixed", lambda x: dict(mixed=x["mixed"][:, None])),
+        ("mixed", lambda x: dict(mixed=x["mixed"][:, :-1])),
+        ("V", lambda x: dict(mixed=x["mixed"][:, :-8])),
+        ("a", lambda x: dict(a=x["a"][:2])),
+        ("b", lambda x: dict(b=x["b"][:, :1])),
+        ("a_log", lambda x: dict(a_log=x["a_log"][:1])),
+        ("dt_bias", lambda x: dict(dt_bias=x["dt_bias"][None])),
+        ("live", lambda x: dict(live=jnp.ones((2,), bool))),
+        ("block_v", lambda x: dict(block_v=24)),
+        ("handles", lambda x: dict(handles=x["handles"][:2])),
+    ],
+)
+def test_step_mixed_bad_inputs_raise(name, change):
+    rng = np.random.default_rng(2)
+    (mixed, a, bb, a_log, dt_bias), _ = _mixed_inputs(rng, len(STEP_HANDLES), 1, 2, np.float32)
+    arena, table, handles = _addr(np.zeros((SEGMENTS, WORDS), np.uint32), STEP_HANDLES)
+    ok = dict(
+        mixed=mixed, a=a, b=bb, a_log=a_log, dt_bias=dt_bias, arena=arena, table=table,
+        handles=handles,
+    )  # fmt: skip
+    _call_bad(
+        functools.partial(recurrent_step_mixed, num_k_heads=1, head_k_dim=K), ok, name, change
+    )
 
 
 STEP_BAD = [  # (argument named by the error, replaced inputs or options)
