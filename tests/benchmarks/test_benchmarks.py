@@ -128,3 +128,26 @@ def test_kernel_profile_summarizes_calls():
         ("gemm_fusion_dot", 1),
         ("loop_add_fusion", 2),
     ]
+
+
+def test_step_kernels_counts_entry_launches():
+    """Launches of the entry computation by kind: Pallas (Triton) custom calls, GEMMs (library
+    calls and GEMM fusions), other fusions, sorts and copies; nested computations not counted."""
+    from benchmarks.step_kernels import entry_launches
+
+    hlo = """HloModule m
+%fused_computation.1 (p: f32[4]) -> f32[4] {
+  %x = f32[4] fusion(%p), kind=kLoop, calls=%inner
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %f.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1
+  %gemm_fusion_dot.3 = f32[4]{0} fusion(%f.1), kind=kCustom, calls=%gemm_fusion_dot.3_computation
+  %p.2 = f32[4]{0} custom-call(%f.1), custom_call_target="__gpu$xla.gpu.triton"
+  %c.5 = f32[4]{0} custom-call(%p.2), custom_call_target="__cublas$lt$matmul"
+  %s = f32[4]{0} sort(%c.5), dimensions={0}
+  ROOT %y = f32[4]{0} copy(%s)
+}
+"""
+    assert entry_launches(hlo) == dict(launches=6, pallas=1, gemm=2, fusion=1, other=2)

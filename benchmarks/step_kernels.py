@@ -1,0 +1,187 @@
+"""The kernels each engine step program launches on an H200, compiled without a GPU.
+
+    python -m benchmarks.step_kernels [--config qwen3_5_35b_a3b] [--layers 4] [--batch 1,16]
+                                      [--tree-sizes 29] [--chunk 64] [--json out.json]
+
+The engine's arena programs (decode at each ``--batch``, the target's tree verify of each
+``--tree-sizes`` at the first batch, prefill of ``--chunk`` tokens per row, commit) are traced
+for abstract arguments (no weights are made: ``nnx.eval_shape``) with the GPU routes of
+``--kernels auto`` (the arena kernels, the model's Pallas routes), then compiled by XLA:GPU for
+an H200 target on this machine (a deviceless compile, as ``benchmarks/compile_report.py
+--xla``) and counted: the kernel launches of the program's entry computation (fusions, custom
+calls, sorts and copies), how many of them are Pallas (Triton) kernels and GEMM library calls,
+and the launches per layer. A step's cost at small batch follows its launch count
+(``benchmarks/README.md#model_step``), so this is how a change to the model's structure is
+checked before it reaches the GPU. XLA cannot autotune without a GPU, so its GEMM choices (and
+a few fusions) may differ from a build on the device; the counts track the device's to within a
+few percent.
+
+It needs the CUDA plugin of the pinned jax, in a venv aside (no GPU, CUDA or Triton needed)::
+
+    python -m venv /tmp/cv && /tmp/cv/bin/pip install jax==0.11.2 jaxlib==0.11.2 \\
+        jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2 flax chex optax jaxtyping \\
+        safetensors tokenizers jinja2 tqdm
+    /tmp/cv/bin/python -m benchmarks.step_kernels --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import re
+import sys
+import time
+from unittest import mock
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA runtime here
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks.common import ints, load_config, markdown_table, write_json  # noqa: E402
+
+
+def entry_launches(hlo: str) -> dict:
+    """Kernel launches of an optimized HLO module's entry computation, by kind."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}\n")] if "\n}\n" in entry else entry
+    kinds: collections.Counter = collections.Counter()
+    for line in entry.splitlines():
+        if " custom-call(" in line:
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            target = target.group(1) if target else "?"
+            kinds["pallas" if "triton" in target else "gemm" if "blas" in target else "other"] += 1
+        elif " fusion(" in line:
+            kinds["gemm" if "gemm_fusion" in line or "__triton_gemm" in line else "fusion"] += 1
+        elif " sort(" in line or " copy(" in line:
+            kinds["other"] += 1
+    return dict(launches=sum(kinds.values()), **{k: kinds.get(k, 0) for k in KINDS})
+
+
+KINDS = ("pallas", "gemm", "fusion", "other")
+
+
+@contextlib.contextmanager
+def _as_gpu():
+    """The model's ``impl="auto"`` routes and the Pallas routes as on a GPU (no interpret mode),
+    the Pallas lowering for an H200."""
+    from benchmarks.compile_report import _force_h200
+
+    _force_h200()
+    with (
+        mock.patch("gdn_jax.dispatch.jax.default_backend", return_value="gpu"),
+        mock.patch("gdn_jax.pallas_routes._interpret", return_value=False),
+    ):
+        yield
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.step_kernels",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--config", default="qwen3_5_35b_a3b", help="config name or path")
+    ap.add_argument("--layers", type=int, default=4, help="cut the model to this many layers")
+    ap.add_argument("--batch", type=ints, default=[1, 16], help="decode batch sizes")
+    ap.add_argument("--tree-sizes", type=ints, default=[29], help="verify tree sizes N")
+    ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per row")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows here")
+    args = ap.parse_args(argv)
+    from jax.experimental import topologies
+
+    from benchmarks.compile_report import H200_TARGET
+    from gdn_jax.models import ModelConfig
+    from gdn_jax.models.model import HybridLM, set_kernel_impl
+    from serving import runner as R
+    from serving.arena_spec import ArenaSpec
+    from serving.kernels import select_kernels
+    from serving.memory import MemoryManager, layout_for
+
+    name, cfg = load_config(args.config)
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    cfg.update(num_hidden_layers=args.layers, mtp_num_hidden_layers=0)
+    cfg.pop("layer_types", None)
+    config = ModelConfig.from_hf_dict(cfg)
+    try:
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=H200_TARGET % 232448, topology="1x1x1"
+        )
+    except NotImplementedError:
+        sys.exit("this Python has no CUDA plugin; install jax-cuda12-plugin (see --help)")
+    shd = jax.sharding.SingleDeviceSharding(topo.devices[0])
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=shd)
+
+    model = nnx.eval_shape(lambda: HybridLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    set_kernel_impl(model, "auto")
+    graphdef, state = nnx.split(model)
+    flat = R.FlatState.of(state)
+    flat = R.FlatState(flat.treedef, [sds(x.shape, x.dtype) for x in flat.leaves])
+    depth = 4
+    layout = layout_for(
+        config.to_hf_dict(), 16, spec_nodes=max(args.tree_sizes), kv_dtype="bfloat16"
+    )
+    mm = MemoryManager(layout, 64 << 20, "avmp")  # shapes only: the programs see abstract arrays
+    spec = ArenaSpec.from_layout(layout, jnp.bfloat16, config=config)
+    kernels, notes = select_kernels("auto", spec, config, backend="gpu")
+    prefill, decode, verify, commit, _, _ = R._arena_programs(
+        graphdef, spec, kernels, "auto", R.ArenaCache, 1 << 30
+    )
+    buf, table = mm.arena.buffer, mm.device_table()
+    arena = (sds(buf.shape, buf.dtype), sds(table.shape, table.dtype))
+    i32 = jnp.int32
+
+    def rows(b):  # handles, pages, lengths
+        return sds((b,), i32), sds((b, 8), i32), sds((b,), i32)
+
+    b0 = args.batch[0]
+    progs = [
+        (f"decode B {b}", decode, (flat, *arena, *rows(b), sds((b,), i32)), {}) for b in args.batch
+    ]
+    for n in args.tree_sizes:
+        nodes = (sds((b0, n), i32), sds((b0, n), i32), sds((b0,), i32))
+        progs.append(
+            (
+                f"verify N {n}, B {b0}",
+                verify,
+                (flat, *arena, *rows(b0), *nodes),
+                {"snapshot": False},
+            )
+        )
+    path = (sds((b0,), i32), sds((b0, depth + 1), i32), sds((b0,), i32))
+    progs.append((f"commit B {b0}", commit, (*arena, *rows(b0), *path), {}))
+    chunk = (sds((b0, args.chunk), i32), sds((b0,), i32))
+    progs.append((f"prefill {args.chunk}, B {b0}", prefill, (flat, *arena, *rows(b0), *chunk), {}))
+    out = []
+    with _as_gpu():
+        for label, prog, a, kw in progs:
+            t = time.perf_counter()
+            hlo = prog.graphs.trace(*a, **kw).lower().compile().as_text()
+            row = dict(program=label, **entry_launches(hlo))
+            row["per_layer"] = row["launches"] / args.layers
+            row["compile_s"] = time.perf_counter() - t
+            out.append(row)
+            print(
+                f"# {label}: {row['launches']} launches ({row['compile_s']:.1f} s)", file=sys.stderr
+            )
+    doc = dict(
+        benchmark="step_kernels", config=name, layers=args.layers, kernels=kernels.name,
+        notes=list(notes), rows=out,
+    )  # fmt: skip
+    print(f"\n{name}, {args.layers} layers, H200 target, kernels {kernels.name} (deviceless)\n")
+    cols = [("program", "program"), ("launches", "launches"), ("per_layer", "per layer")]
+    cols += [(k, k) for k in KINDS]
+    print(markdown_table(out, cols, digits=4))
+    if args.json:
+        write_json(args.json, doc)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
