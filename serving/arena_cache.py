@@ -237,6 +237,7 @@ class ArenaCache:
         if not kn.decode:
             return None
         from pallas_kernels.decode.arena import recurrent_step, recurrent_step_mixed
+        from pallas_kernels.decode.conv import conv_step
 
         def rule(q, k, v, g, beta, *, use_qk_l2norm: bool):
             o, buf = recurrent_step(
@@ -270,7 +271,33 @@ class ArenaCache:
             )
             return o[:, None], dataclasses.replace(self, buffer=buf)
 
+        def conv(qkv, weight, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool):
+            # the conv too: its window read, updated and written in place by one kernel
+            sp, args = self.spec, self._gdn_kernel_args(gi, fresh=False)
+            y, buf = conv_step(
+                qkv[:, 0],
+                weight,
+                args["arena"],
+                args["table"],
+                args["handles"],
+                conv_offset=sp.conv_offset + gi * sp.conv_words,
+                state_dtype=sp.conv_dtype,
+                zero_state=self.lengths <= 0,
+                live=None if num_tokens is None else num_tokens > 0,
+                interpret=args["interpret"],
+            )
+            after = dataclasses.replace(self, buffer=buf)
+            return after.gdn_step_rule(gi).raw(
+                y[:, None], a, b, a_log, dt_bias, num_tokens=num_tokens, use_qk_l2norm=use_qk_l2norm
+            )
+
         rule.raw = raw
+        sp = self.spec
+        if jnp.dtype(sp.conv_dtype) == jnp.dtype(sp.model_dtype) and jnp.dtype(sp.conv_dtype) in (
+            jnp.dtype(jnp.bfloat16),
+            jnp.dtype(jnp.float32),
+        ):
+            rule.conv = conv
         return rule
 
     def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array) -> SequenceRule | None:

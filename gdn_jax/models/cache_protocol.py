@@ -35,8 +35,10 @@ class SequenceRule(Protocol):
 
     Takes ``q, k [B, T, Hv, K]``, ``v [B, T, Hv, V]``, ``g, beta [B, T, Hv]`` (after the conv);
     returns the output ``o [B, T, Hv, V]`` and the cache holding the updated state. It may also
-    carry a ``raw`` attribute: the same rule on the layer's raw inputs
-    (:meth:`gdn_jax.models.gdn.GatedDeltaNet.__call__` says when it is used)."""
+    carry a ``raw`` attribute (the same rule on the layer's raw inputs) and a ``conv`` attribute
+    (the rule also runs the conv on its state in place; the step then neither reads nor writes
+    the conv state): :meth:`gdn_jax.models.gdn.GatedDeltaNet.__call__` says when they are
+    used."""
 
     def __call__(
         self,

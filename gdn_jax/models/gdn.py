@@ -113,10 +113,26 @@ class GatedDeltaNet(nnx.Module):
         dt_bias, *, num_tokens, use_qk_l2norm)``: the conv's output channels and the gates'
         projections, :meth:`gate_inputs`), so no separate kernel splits the channels or forms
         the gates; used when the channels are one ``[q | k | v]`` block (no tensor-parallel
-        groups).
+        groups). A rule with a ``conv`` attribute also owns the conv state (``rule.conv(qkv,
+        conv_weight, a, b, A_log, dt_bias, *, num_tokens, use_qk_l2norm)`` on the pre-conv
+        channels): ``conv_state`` is then unused and the second output is ``None``.
         """
         qkv, z, g, beta = self.project(x)
         b, t = x.shape[:2]
+        conv_rule = getattr(rule, "conv", None)
+        if conv_rule is not None and self.qkv_groups == 1:  # the rule runs the conv too
+            a, b_ = self.gate_inputs(x)
+            o, result = conv_rule(
+                qkv,
+                self.conv_weight[...],
+                a,
+                b_,
+                self.A_log[...],
+                self.dt_bias[...],
+                num_tokens=num_tokens,
+                use_qk_l2norm=True,
+            )
+            return self.finish(o, z), None, result
         if conv_state is None:
             conv_state = jnp.zeros((b, self.cfg.linear_conv_kernel_dim - 1, qkv.shape[-1]), x.dtype)
         mixed, new_conv = causal_conv1d(qkv, self.conv_weight[...], conv_state)

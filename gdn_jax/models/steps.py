@@ -82,10 +82,13 @@ def _sequence(
                 )
                 cache = cache.with_gdn_state(gi, c, s)
             else:  # the rule reads and writes the recurrent state in place
-                mixed, c, cache = layer.linear_attn(
-                    h, cache.gdn_conv_state(gi), None, num_tokens=num_tokens, rule=rule
-                )
-                cache = cache.with_gdn_conv_state(gi, c)
+                # (and the conv state too, when it has a ``conv`` form: GatedDeltaNet.__call__)
+                owns_conv = getattr(rule, "conv", None) is not None
+                owns_conv = owns_conv and layer.linear_attn.qkv_groups == 1
+                conv = None if owns_conv else cache.gdn_conv_state(gi)
+                mixed, c, cache = layer.linear_attn(h, conv, None, num_tokens=num_tokens, rule=rule)
+                if c is not None:
+                    cache = cache.with_gdn_conv_state(gi, c)
             gi += 1
         else:
             attn = layer.self_attn

@@ -295,9 +295,13 @@ def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
     assert not [k for k in _kernel_names(xd) if "arena" in k]
     assert gathers(pd, sp.state_words) == 0 and scatters(pd, sp.state_words) == 0
     assert gathers(pd, page_words) == 0
-    # the GDN layers' step on their raw inputs (channels split and gates formed in the kernel)
+    # the GDN layers: the conv on its window in place, then the step on the conv's raw output
+    # (channels split and gates formed in the kernel); no conv window gathered or scattered
+    assert gathers(xd, sp.conv_words) == lg and scatters(xd, sp.conv_words) == lg
+    assert gathers(pd, sp.conv_words) == 0 and scatters(pd, sp.conv_words) == 0
     assert _kernel_names(pd) == sorted(
-        ["gdn_recurrent_step_mixed_arena"] * lg + ["paged_attention_arena"] * la
+        ["gdn_conv_step_arena", "gdn_recurrent_step_mixed_arena"] * lg
+        + ["paged_attention_arena"] * la
     )
     for rid in rows:
         mm.free(rid)
