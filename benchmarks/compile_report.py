@@ -156,21 +156,28 @@ def _no_prelaunch_limits():
         yield
 
 
-def xla_shared_memory(kernel: str, spec: str, b: int, hv: int, n: int, dtype, dk, dv) -> int:
-    """Bytes of shared memory per block that jax's XLA:GPU build of one kernel launch asks for on
-    an H200: a deviceless compile (CUDA plugin of the pinned jax) with the limit at 1 byte, whose
-    limit error states the request."""
+def h200_sharding(shared_memory_limit: int) -> jax.sharding.Sharding:
+    """The one device of a deviceless H200 target (the CUDA plugin of the pinned jax compiles
+    for it on a machine without a GPU) with a per-block shared memory limit in bytes; exits
+    with a message when this Python has no CUDA plugin."""
     from jax.experimental import topologies
 
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA runtime here
     _force_h200()
     try:
         topo = topologies.get_topology_desc(
-            platform="cuda", target_config=H200_TARGET % 1, topology="1x1x1"
+            platform="cuda", target_config=H200_TARGET % shared_memory_limit, topology="1x1x1"
         )
     except NotImplementedError:
-        sys.exit("--xla: this Python has no CUDA plugin; install jax-cuda12-plugin (see --help)")
-    sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+        sys.exit("this Python has no CUDA plugin; install jax-cuda12-plugin (see --help)")
+    return jax.sharding.SingleDeviceSharding(topo.devices[0])
+
+
+def xla_shared_memory(kernel: str, spec: str, b: int, hv: int, n: int, dtype, dk, dv) -> int:
+    """Bytes of shared memory per block that jax's XLA:GPU build of one kernel launch asks for on
+    an H200: a deviceless compile (CUDA plugin of the pinned jax) with the limit at 1 byte, whose
+    limit error states the request."""
+    sharding = h200_sharding(1)
     sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
     _, fn, args = kernel_call(kernel, spec, b, hv, n, dtype, dk, dv, sd=sd)
     try:

@@ -63,6 +63,7 @@ def entry_launches(hlo: str) -> dict:
 
 
 KINDS = ("pallas", "gemm", "fusion", "other")
+H200_SHARED_MEMORY = 232448  # bytes of shared memory a block may opt in to on the H200
 
 
 @contextlib.contextmanager
@@ -92,9 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per row")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
-    from jax.experimental import topologies
-
-    from benchmarks.compile_report import H200_TARGET
+    from benchmarks.compile_report import h200_sharding
     from gdn_jax.models import ModelConfig
     from gdn_jax.models.model import HybridLM, set_kernel_impl
     from serving import runner as R
@@ -107,13 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg.update(num_hidden_layers=args.layers, mtp_num_hidden_layers=0)
     cfg.pop("layer_types", None)
     config = ModelConfig.from_hf_dict(cfg)
-    try:
-        topo = topologies.get_topology_desc(
-            platform="cuda", target_config=H200_TARGET % 232448, topology="1x1x1"
-        )
-    except NotImplementedError:
-        sys.exit("this Python has no CUDA plugin; install jax-cuda12-plugin (see --help)")
-    shd = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    shd = h200_sharding(H200_SHARED_MEMORY)
 
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=shd)
