@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=ints, default=[1, 16], help="decode batch sizes")
     ap.add_argument("--tree-sizes", type=ints, default=[29], help="verify tree sizes N")
     ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per row")
+    ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
     from benchmarks.compile_report import h200_sharding
@@ -156,6 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
         for label, prog, a, kw in progs:
             t = time.perf_counter()
             hlo = prog.graphs.trace(*a, **kw).lower().compile().as_text()
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                stem = re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+                with open(os.path.join(args.dump, f"{stem}.txt"), "w") as f:
+                    f.write(hlo)
             row = dict(program=label, **entry_launches(hlo))
             row["per_layer"] = row["launches"] / args.layers
             row["compile_s"] = time.perf_counter() - t

@@ -20,6 +20,8 @@ megablox grouped matmul (:mod:`pallas_kernels.tpu.moe`; TPU interpret mode off T
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -125,3 +127,41 @@ def _routed_xla(x, weights, experts, gate_proj, up_proj, down_proj):
     y = jax.lax.ragged_dot(h, down_proj, sizes, precision=prec)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros((m, x.shape[-1]), y.dtype).at[token].add(y)
+
+
+def route_topk(
+    logits: Float[Array, "M E"],
+    k: int,
+    *,
+    normalize: bool = True,
+    dtype=jnp.float32,
+    impl: str = "auto",
+) -> tuple[Float[Array, "M k"], Int[Array, "M k"]]:
+    """The router's choice: ``(weights [M, k] in dtype, expert ids int32 [M, k])``, the ``k``
+    largest logits of each row (ties to the lower expert id, as ``lax.top_k``) weighted by
+    ``softmax(logits)``, renormalised over the ``k`` when ``normalize`` (then the softmax of
+    the ``k`` selected logits: the full softmax over the experts is never formed). The weights
+    are formed in f32 and stored in ``dtype``.
+
+    ``impl="pallas"``: one GPU kernel (:mod:`pallas_kernels.moe.route`; interpret mode off
+    GPU) where XLA runs a sort, a slice and a softmax; ``"auto"``
+    takes it on a GPU where it fits."""
+    (logits,) = as_arrays(logits)
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
+    if not isinstance(k, int) or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"k: must be an int in [1, E = {logits.shape[1]}], got {k!r}")
+    path = resolve_impl(impl, "route_topk", logits, k)
+    if path != "xla":
+        return pallas_op("route_topk", path)(logits, k, normalize=normalize, dtype=dtype)
+    return _route_xla(logits, k, normalize, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _route_xla(logits, k: int, normalize: bool, dtype):
+    logits = logits.astype(jnp.float32)
+    if normalize:
+        top_l, top_i = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top_l, axis=-1).astype(dtype), top_i.astype(jnp.int32)
+    top_p, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    return top_p.astype(dtype), top_i.astype(jnp.int32)

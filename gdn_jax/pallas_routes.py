@@ -187,5 +187,24 @@ def _moe_auto(x, weights, experts, gate_proj, up_proj, down_proj) -> bool:
     return True
 
 
-PALLAS_OPS.update(routed_experts=routed_experts)
-AUTO_PALLAS.update(routed_experts=_moe_auto)
+def route_topk(logits, k, *, normalize=True, dtype=jnp.float32):
+    """The router's top-k in one kernel (:func:`pallas_kernels.moe.route.route_topk`)."""
+    from pallas_kernels.moe.route import route_topk as kernel
+
+    return kernel(logits, k, normalize=normalize, dtype=jnp.dtype(dtype), interpret=_interpret())
+
+
+def _route_auto(logits, k) -> bool:
+    """``"auto"`` takes the route kernel wherever it takes the logits: one kernel where XLA runs a sort, a slice and a softmax fusion
+    (``benchmarks/step_kernels.py`` counts them; not timed on the H200)."""
+    from pallas_kernels.moe.route import check_route
+
+    try:
+        check_route(logits, k)
+    except ValueError:
+        return False
+    return True
+
+
+PALLAS_OPS.update(routed_experts=routed_experts, route_topk=route_topk)
+AUTO_PALLAS.update(routed_experts=_moe_auto, route_topk=_route_auto)

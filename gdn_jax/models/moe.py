@@ -12,12 +12,11 @@ token-expert pairs sorted by expert on the XLA path, the Pallas kernels of
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.models.linear import Linear, normal_init
 from gdn_jax.models.mlp import MLP
-from gdn_jax.moe import routed_experts
+from gdn_jax.moe import route_topk, routed_experts
 
 
 class SparseMoE(nnx.Module):
@@ -47,19 +46,13 @@ class SparseMoE(nnx.Module):
         self.parallel = None  # tensor / expert parallel: gdn_jax.sharding.MoEParallel
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(weights [M, k] in x's dtype, expert ids int32 [M, k])`` for ``x: [M, H]``.
-
-        With ``norm_topk_prob`` the renormalised top-k of ``softmax(logits)`` is the softmax of
-        the top-k logits (the softmax is monotone and its normaliser cancels), so the full
-        softmax over the experts is never formed: one kernel less per layer on a GPU."""
+        """``(weights [M, k] in x's dtype, expert ids int32 [M, k])`` for ``x: [M, H]``
+        (:func:`gdn_jax.moe.route_topk` on the router's logits, in ``impl``: with
+        ``norm_topk_prob`` the softmax of the top-k logits, never the full softmax)."""
         raw = self.gate(x)
-        logits = raw.astype(jnp.float32)
-        if self.norm_topk_prob:
-            top_l, top_i = jax.lax.top_k(logits, self.top_k)
-            top_p = jax.nn.softmax(top_l, axis=-1)
-        else:
-            top_p, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
-        return top_p.astype(raw.dtype), top_i.astype(jnp.int32)
+        return route_topk(
+            raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype, impl=self.impl
+        )
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """Sum over the ``k`` selected experts of ``weight * expert(x)``; ``x: [M, H]``

@@ -2,8 +2,8 @@
 
     out[m] = sum_j w[m, j] * down_e( silu(x[m] gate_e) * (x[m] up_e) ),   e = experts[m, j]
 
-No routing plan is built in XLA (no sort, no group sizes): the ``n = M * k`` expert ids, padded
-to a power of two with -1, go straight to the two kernels. Program ``(p, j)`` of either grid
+No routing plan is built in XLA (no sort, no group sizes): the ``n = M * k`` expert ids go
+straight to the two kernels, which read them as a power of two of lanes (``-1`` past ``n``). Program ``(p, j)`` of either grid
 belongs to pair ``p``; it works only if ``p`` is the *first* pair routed to its expert ``e``
 (no earlier pair has the same id), and then serves all of ``e``'s pairs: it compares ``e``
 with the ``n`` ids, ranks the matches (a cumulative sum) and gathers them ``block_m`` at a time
@@ -71,14 +71,15 @@ class SmallMBlocks(TileBlocks):
 DEFAULT_SMALL_M_BLOCKS = SmallMBlocks()
 
 
-def _owner(ids_ref, num_experts: int):
+def _owner(ids_ref, num_experts: int, n: int, n_pad: int):
     """``(expert, active, count, rank)`` of program ``p``: its pair's expert id, whether ``p``
     is the first pair of a valid expert, the expert's number of pairs and each id's rank among
-    them (``-1`` for other ids)."""
+    them (``-1`` for other ids). ``ids_ref`` holds the ``n`` ids; they are read as ``n_pad``
+    lanes, ``-1`` past ``n`` (a masked load: no padded copy of the ids)."""
     p = pl.program_id(0)
-    ids = ids_ref[...]  # [n_pad], -1 past n
-    e = ids_ref[p]
-    pos = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    pos = jax.lax.broadcasted_iota(jnp.int32, (n_pad,), 0)
+    ids = plt.load(ids_ref.at[pl.ds(0, n_pad)], mask=pos < n, other=-1)
+    e = jnp.where(p < n, ids_ref[jnp.minimum(p, n - 1)], -1)
     match = jnp.where(ids == e, 1, 0)
     earlier = jnp.sum(jnp.where(pos < p, match, 0))
     active = (earlier == 0) & (e >= 0) & (e < num_experts)
@@ -108,10 +109,10 @@ def _tile(rows, col0, width: int):
 
 
 def _gate_up_kernel(
-    ids_ref, w_ref, x_ref, g_ref, u_ref, h_ref, *, n, k, num_experts, bm, bi, bk, precision
+    ids_ref, w_ref, x_ref, g_ref, u_ref, h_ref, *, n, n_pad, k, num_experts, bm, bi, bk, precision
 ):
     j = pl.program_id(1)
-    e, active, count, rank = _owner(ids_ref, num_experts)
+    e, active, count, rank = _owner(ids_ref, num_experts, n, n_pad)
     nk = x_ref.shape[1] // bk
     cols = pl.ds(j * bi, bi)
 
@@ -138,9 +139,9 @@ def _gate_up_kernel(
         jax.lax.fori_loop(0, (count + bm - 1) // bm, chunk, 0)
 
 
-def _down_kernel(ids_ref, h_ref, d_ref, y_ref, *, n, num_experts, bm, bh, bk, precision):
+def _down_kernel(ids_ref, h_ref, d_ref, y_ref, *, n, n_pad, num_experts, bm, bh, bk, precision):
     j = pl.program_id(1)
-    e, active, count, rank = _owner(ids_ref, num_experts)
+    e, active, count, rank = _owner(ids_ref, num_experts, n, n_pad)
     nk = h_ref.shape[1] // bk
     cols = pl.ds(j * bh, bh)
 
@@ -198,14 +199,22 @@ def routed_experts_small_m(
     bm = blocks.block_m
     bi, bh = fit_block("I", i, blocks.block_i), fit_block("H", h, blocks.block_h)
     bkh, bki = fit_block("H", h, blocks.block_kh), fit_block("I", i, blocks.block_ki)
-    ids = jnp.pad(experts.reshape(-1).astype(jnp.int32), (0, n_pad - n), constant_values=-1)
-    w = weights.reshape(-1).astype(F32)
+    ids = experts.reshape(-1).astype(jnp.int32)  # read as n_pad lanes by a masked load
+    w = weights.reshape(-1)  # cast to f32 in the kernel
     prec = weight_precision(gate.dtype, blocks.precision, interpret)
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     whole = pl.BlockSpec(memory_space=None)
     h_pairs = pl.pallas_call(
         functools.partial(
-            _gate_up_kernel, n=n, k=k, num_experts=e, bm=bm, bi=bi, bk=bkh, precision=prec
+            _gate_up_kernel,
+            n=n,
+            n_pad=n_pad,
+            k=k,
+            num_experts=e,
+            bm=bm,
+            bi=bi,
+            bk=bkh,
+            precision=prec,
         ),
         grid=(n_pad, i // bi),
         in_specs=[whole] * 5,
@@ -216,7 +225,9 @@ def routed_experts_small_m(
         name="moe_small_m_gate_up",
     )(ids, w, x, gate, up)
     y_pairs = pl.pallas_call(
-        functools.partial(_down_kernel, n=n, num_experts=e, bm=bm, bh=bh, bk=bki, precision=prec),
+        functools.partial(
+            _down_kernel, n=n, n_pad=n_pad, num_experts=e, bm=bm, bh=bh, bk=bki, precision=prec
+        ),
         grid=(n_pad, h // bh),
         in_specs=[whole] * 3,
         out_specs=whole,

@@ -16,7 +16,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn_jax import routed_experts
+from gdn_jax import route_topk, routed_experts
 from gdn_jax.models.moe import SparseMoE
 
 E, H, I, K = 6, 16, 32, 3  # experts, hidden, intermediate, experts per token
@@ -188,6 +188,46 @@ def test_sparse_moe_matches_float64(impl):
     params = (moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
     got = moe.routed(x, weights, experts)
     assert rel_err(got, routed64(x, weights, experts, *params)) < 1e-5
+
+
+def _route64(logits, k, norm):
+    """HF's rule in float64: softmax over every expert, its top-k (ties to the lower id),
+    renormalised when ``norm``."""
+    logits = np.asarray(logits, np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    top = np.take_along_axis(p, ids, -1)
+    return (top / top.sum(-1, keepdims=True) if norm else top), ids
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("m, e, k", [(1, 256, 8), (5, 6, 2), (3, 48, 10)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_topk_matches_float64(impl, m, e, k, norm):
+    """``route_topk`` (the XLA path and the one-kernel Pallas path, interpret mode) against
+    float64, on random logits; bf16 logits too for the kernel path."""
+    rng = np.random.default_rng(m * e + k)
+    logits = rng.standard_normal((m, e)).astype(np.float32) * 3.0
+    for dtype in (jnp.float32, jnp.bfloat16) if impl == "pallas" else (jnp.float32,):
+        x = jnp.asarray(logits, dtype)
+        weights, ids = route_topk(x, k, normalize=norm, impl=impl)
+        chex.assert_shape([weights, ids], (m, k))
+        chex.assert_type([weights, ids], [jnp.float32, jnp.int32])
+        w64, i64 = _route64(np.asarray(x, np.float32), k, norm)
+        np.testing.assert_array_equal(ids, i64)
+        np.testing.assert_allclose(weights, w64, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [((np.zeros(8, np.float32), 2), "logits"), ((np.zeros((2, 8), np.float32), 9), "k"),
+     ((np.zeros((2, 8), np.float32), 0), "k")],
+)  # fmt: skip
+def test_route_topk_bad_inputs_raise(args, name):
+    for impl in ("xla", "pallas"):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            route_topk(*args, impl=impl)
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -1,0 +1,82 @@
+"""The MoE router's top-k in one kernel: ``(weights [M, k], expert ids [M, k])`` from the
+router's logits ``[M, E]``.
+
+Program ``m`` holds row ``m``'s ``E`` logits in registers and picks the ``k`` largest one at a
+time (the largest value, the lowest expert id among equal values, as ``lax.top_k``), then
+forms their weights in f32: with ``normalize`` the softmax over the ``k`` selected logits (the
+renormalised top-k of ``softmax(logits)``), otherwise their probabilities under the softmax
+over all ``E``. XLA runs the same as a sort over the experts, a slice of its ids and a softmax
+fusion: three kernels where this is one. A row is read as a power of two of lanes (``-inf``
+past ``E``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._wy import F32, next_pow2
+
+
+def check_route(logits, k: int) -> tuple[int, int]:
+    """``(M, E)``; ``ValueError`` for inputs the kernel cannot take."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits: must be floating point, got {logits.dtype}")
+    m, e = logits.shape
+    if not 1 <= k <= e:
+        raise ValueError(f"k: must be in [1, E = {e}], got {k}")
+    return m, e
+
+
+@functools.partial(jax.jit, static_argnames=("k", "normalize", "dtype", "interpret"))
+def route_topk(logits, k: int, *, normalize: bool = True, dtype=F32, interpret: bool = False):
+    """``(weights [M, k] in dtype (formed in f32), ids int32 [M, k])`` of the ``k`` largest
+    logits per row (module docstring)."""
+    m, e = check_route(logits, k)
+    kp, ep = next_pow2(k, 1), next_pow2(e, 1)
+
+    def kernel(l_ref, w_ref, i_ref):
+        lane = jax.lax.broadcasted_iota(jnp.int32, (ep,), 0)
+        row = l_ref.at[pl.program_id(0), pl.ds(0, ep)]
+        lg = plt.load(row, mask=lane < e, other=-jnp.inf).astype(F32)  # [E_pad], -inf past E
+        slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
+        top = jnp.max(lg)
+        vals = jnp.full((kp,), -jnp.inf, F32)
+        ids = jnp.zeros((kp,), jnp.int32)
+        cur = lg
+        for j in range(k):
+            best = jnp.max(cur)
+            idx = jnp.min(jnp.where(cur == best, lane, e))
+            vals = jnp.where(slot == j, best, vals)
+            ids = jnp.where(slot == j, idx, ids)
+            cur = jnp.where(lane == idx, -jnp.inf, cur)
+        p = jnp.where(slot < k, jnp.exp(vals - top), 0.0)
+        denom = jnp.sum(p) if normalize else jnp.sum(jnp.exp(lg - top))
+        w_ref[...] = (p / denom).astype(w_ref.dtype)
+        i_ref[...] = ids
+
+    w, ids = pl.pallas_call(
+        kernel,
+        grid=(m,),
+        in_specs=[pl.BlockSpec(memory_space=None)],
+        out_specs=(
+            pl.BlockSpec((None, kp), lambda i: (i, 0)),
+            pl.BlockSpec((None, kp), lambda i: (i, 0)),
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((m, kp), dtype),
+            jax.ShapeDtypeStruct((m, kp), jnp.int32),
+        ),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_route_topk",
+    )(logits)
+    if kp != k:
+        w, ids = w[:, :k], ids[:, :k]
+    return w, ids
