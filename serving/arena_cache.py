@@ -38,7 +38,8 @@ The in-place hooks of the protocol (``gdn_tree_rule``, ``gdn_step_rule``, ``gdn_
 ``commit_gdn_state``) and :meth:`ArenaCache.attention` run the Pallas kernels that ``kernels``
 (:class:`serving.kernels.ArenaKernels`) selects, reading the arena in place through the table;
 the hooks return ``None`` (the default XLA windows) for the parts it leaves on XLA. Always XLA
-windows: the conv state (``(W-1)*C`` elements per layer), the K/V writes (decode's and
+windows: the conv state outside the decode rule (``(W-1)*C`` elements per layer), the K/V
+writes (decode's and
 prefill's new tokens, the accepted nodes'), the snapshot verify method and the speculative
 scratch's writes and reads (the commit kernel gets the stash's ``k, u, g`` read out by XLA
 windows). Rows at length 0 read zero states on both paths; a commit of a length-0 row (which
@@ -230,6 +231,11 @@ class ArenaCache:
         ``rule(q, k, v, g, beta, *, use_qk_l2norm) -> (o [B, 1, Hv, V], ArenaCache)`` on
         ``[B, 1, ...]`` inputs, the returned cache holding the updated arena; ``None`` unless
         the decode kernel is selected (then :meth:`gdn_state` / :meth:`with_gdn_state`).
+        The rule's ``raw`` form takes the conv's output channels and the gates' projections
+        (:func:`pallas_kernels.decode.arena.recurrent_step_mixed`), and its ``conv`` form (a
+        bf16 or f32 conv state in the model's dtype) also runs the conv on the conv window in
+        place first (:func:`pallas_kernels.decode.conv.conv_step`): the model takes the
+        latter (:meth:`gdn_jax.models.gdn.GatedDeltaNet.__call__`).
 
         As the XLA path: rows at length 0 start from a zero state and are written; padding rows
         (handle ``-1``) run from a zero state and are not written."""

@@ -7,7 +7,8 @@ handle table: the tree verify's GDN recurrent states
 verify's by :func:`pallas_kernels.attention.arena.tree_attention`, decode's and prefill's,
 causal, by :func:`pallas_kernels.attention.arena.paged_attention`), the commit's recurrent
 states (:func:`pallas_kernels.commit.arena.tree_commit`, the arena aliased), decode's GDN
-layers (:func:`pallas_kernels.decode.arena.recurrent_step`, the arena aliased) and, with
+layers (:func:`pallas_kernels.decode.conv.conv_step` and
+:func:`pallas_kernels.decode.arena.recurrent_step_mixed`, the arena aliased) and, with
 ``kernels="pallas"`` only, prefill's GDN layers
 (:func:`pallas_kernels.decode.arena.recurrent_prefill`, the arena aliased; ``kernels="auto"``
 keeps XLA's chunked prefill). A geometry the kernels do not take (the misfit checks below)

@@ -349,8 +349,9 @@ def _arena_decode_program(
     graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
 ):
     """Decode over the arena (``buf`` donated and returned): one token through
-    :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run
-    :func:`pallas_kernels.decode.arena.recurrent_step` on the states in place
+    :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run the conv
+    (:func:`pallas_kernels.decode.conv.conv_step`) and the step
+    (:func:`pallas_kernels.decode.arena.recurrent_step_mixed`) on their states in place
     (``ArenaCache.gdn_step_rule``), else XLA state windows; with ``kernels.attention`` its
     attention layers read the KV pages in place (``ArenaCache.attention``)."""
 
@@ -388,8 +389,9 @@ class ArenaRunner:
       over the KV pages (:func:`pallas_kernels.attention.arena.tree_attention`; prefill's and
       decode's causal attention by :func:`pallas_kernels.attention.arena.paged_attention`),
       the GDN commit (:func:`pallas_kernels.commit.arena.tree_commit`, the arena aliased, so
-      in place) and :meth:`decode`'s GDN layers
-      (:func:`pallas_kernels.decode.arena.recurrent_step`, in place); in interpret mode off
+      in place) and :meth:`decode`'s GDN layers (the conv by
+      :func:`pallas_kernels.decode.conv.conv_step` and the step by
+      :func:`pallas_kernels.decode.arena.recurrent_step_mixed`, in place); in interpret mode off
       GPU. A geometry the kernels do not take (``page_size`` / ``head_dim`` not a power of two
       >= 16, GDN head dims not a power of two in [16, 256], a non-f32 recurrent state) raises
       ``ValueError`` here, a tree of more than ``pallas_kernels.MAX_NODES`` nodes when
@@ -405,7 +407,8 @@ class ArenaRunner:
     ``"pallas"``: on the H200 it takes 1.38-1.97x the time of the windows + chunked prefill at
     the default 64-token chunk (0.82-0.87x at 16; ``benchmarks/arena_read.py --step
     prefill``), so ``"auto"`` keeps those. Not wired to the kernels on any setting: the
-    snapshot verify method, the conv state (a small ``(W-1) x C`` window per layer), the K/V
+    snapshot verify method, the conv state outside decode (a small ``(W-1) x C`` window per
+    layer), the K/V
     writes (new tokens', accepted nodes') and the speculative scratch's writes and reads (one
     window per stash field; the commit kernel gets the stash's ``k, u, g`` read out by XLA
     windows).
