@@ -64,6 +64,11 @@ class GatedDeltaNet(nnx.Module):
         softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
         return self.in_proj_a(x).astype(jnp.float32), self.in_proj_b(x).astype(jnp.float32)
 
+    def takes_conv(self, rule) -> bool:
+        """Whether ``rule`` runs this layer's conv on its conv state itself (its ``conv`` form,
+        taken when the channels are one ``[q | k | v]`` block): :meth:`__call__`."""
+        return getattr(rule, "conv", None) is not None and self.qkv_groups == 1
+
     def project(self, x: jax.Array):
         """``(qkv [B, T, C] pre-conv, z [B, T, Hv, V], g f32 [B, T, Hv], beta f32 [B, T, Hv])``."""
         cfg = self.cfg
@@ -119,10 +124,9 @@ class GatedDeltaNet(nnx.Module):
         """
         qkv, z, g, beta = self.project(x)
         b, t = x.shape[:2]
-        conv_rule = getattr(rule, "conv", None)
-        if conv_rule is not None and self.qkv_groups == 1:  # the rule runs the conv too
+        if self.takes_conv(rule):  # the rule runs the conv too
             a, b_ = self.gate_inputs(x)
-            o, result = conv_rule(
+            o, result = rule.conv(
                 qkv,
                 self.conv_weight[...],
                 a,

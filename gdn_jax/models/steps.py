@@ -82,9 +82,8 @@ def _sequence(
                 )
                 cache = cache.with_gdn_state(gi, c, s)
             else:  # the rule reads and writes the recurrent state in place
-                # (and the conv state too, when it has a ``conv`` form: GatedDeltaNet.__call__)
-                owns_conv = getattr(rule, "conv", None) is not None
-                owns_conv = owns_conv and layer.linear_attn.qkv_groups == 1
+                # (and the conv state too, when the layer takes the rule's conv form)
+                owns_conv = layer.linear_attn.takes_conv(rule)
                 conv = None if owns_conv else cache.gdn_conv_state(gi)
                 mixed, c, cache = layer.linear_attn(h, conv, None, num_tokens=num_tokens, rule=rule)
                 if c is not None:
