@@ -39,9 +39,8 @@ The in-place hooks of the protocol (``gdn_tree_rule``, ``gdn_step_rule``, ``gdn_
 (:class:`serving.kernels.ArenaKernels`) selects, reading the arena in place through the table;
 the hooks return ``None`` (the default XLA windows) for the parts it leaves on XLA. Always XLA
 windows: the conv state outside the decode rule (``(W-1)*C`` elements per layer), the K/V
-writes (decode's and
-prefill's new tokens, the accepted nodes'), the snapshot verify method and the speculative
-scratch's writes and reads (the commit kernel gets the stash's ``k, u, g`` read out by XLA
+writes (decode's and prefill's new tokens, the accepted nodes'), the snapshot verify method
+and the speculative scratch's writes and reads (the commit kernel gets the stash's ``k, u, g`` read out by XLA
 windows). Rows at length 0 read zero states on both paths; a commit of a length-0 row (which
 the engine never issues: it verifies only prefilled requests) leaves that row's recurrent
 state unwritten on the kernel path.
