@@ -30,9 +30,9 @@
 #                       each against its floor; KERNELS (auto), LIMIT (580 s), ARGS (extra)
 #   arena_copies        arena_copies: whole-arena copies in each arena program, auto and xla
 #   model_step_flags    model_step: Qwen3.5-35B-A3B cut to 8 layers, decode at B 1 and 16 (BATCH)
-#                       and a 29-node verify, kernels profiled, under XLA's default command
-#                       buffers (CUDA graphs; the decode HLO dumped), with them off, and with every
-#                       command type captured (GRAPHS picks; 16 GB arena)
+#                       and a 29-node verify, kernels profiled, under the engine's launch policy
+#                       (graphs up to 8 tokens; its decode HLO packed into hlo_8l.tgz), every
+#                       step a CUDA graph, and none (GRAPHS picks; 16 GB arena)
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
@@ -158,19 +158,22 @@ step() {
     done
     ;;
   model_step_flags)
-    local all=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE,DYNAMIC_SLICE_FUSION
-    local name flags
-    for name in ${GRAPHS:-default off all}; do
+    # the engine's launch policy (serving/launch.py) against every step as a CUDA graph and
+    # none; the policy run's decode HLO dumped aside and packed into one file
+    local name tokens dump=/tmp/hlo_8l
+    for name in ${GRAPHS:-policy all none}; do
       case $name in
-        default) flags="--xla_dump_to=$OUT/model_step/hlo_8l --xla_dump_hlo_module_re=.*decode.*" ;;
-        off) flags=--xla_gpu_enable_command_buffer= ;;
-        all) flags="--xla_gpu_enable_command_buffer=$all --xla_gpu_graph_min_graph_size=1" ;;
+        policy) tokens=8 ;;
+        all) tokens=1000000 ;;
+        none) tokens=0 ;;
       esac
-      XLA_FLAGS="$flags" TAILN=40 run "${LIMIT:-200}" model_step "h200_8l_graphs_$name" \
+      XLA_FLAGS=$([ "$name" = policy ] && echo "--xla_dump_to=$dump --xla_dump_hlo_module_re=.*decode.*") \
+        TAILN=40 run "${LIMIT:-200}" model_step "h200_8l_graphs_$name" \
         python3 -m benchmarks.model_step --layers 8 --batch "${BATCH:-1,16}" --tree-sizes 29 \
         --prefill-prompts 0 --memory-budget 16e9 --reps 10 --profile \
-        --json "$(json model_step "h200_8l_graphs_$name")"
+        --cuda-graph-max-tokens "$tokens" --json "$(json model_step "h200_8l_graphs_$name")"
     done
+    [ -d "$dump" ] && tar czf "$OUT/model_step/hlo_8l.tgz" -C "$dump" . && rm -rf "$dump"
     ;;
   layers)
     TAILN=8 run 400 layers h200 python3 -m benchmarks.layers --json "$(json layers h200)"

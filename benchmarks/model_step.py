@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
     # one prefill program on the captured step with the most rows (the arena's states of
     # those rows are rewritten each call; nothing reads them after)
     pa, pk = capture.args
-    live = int(np.asarray(pk.get("num_tokens", pa[4])).sum())
+    live = int(np.asarray(pa[4]).sum())  # (handles, pages, lengths, tokens, num_tokens)
     call = functools.partial(runner.prefill, *pa, **pk)
     ms, dispatch = median_ms(call, max(2, args.reps // 5), block)
     rows_live = np.asarray(pa[0]) >= 0

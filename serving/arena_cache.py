@@ -257,9 +257,9 @@ class ArenaCache:
             )
             return o[:, None], dataclasses.replace(self, buffer=buf)
 
-        def raw(mixed, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool):
-            # the same step on the layer's raw inputs: the kernel splits the conv's channels
-            # and forms the gates itself (two XLA kernels fewer per layer)
+        def step_mixed(cache, mixed, a, b, a_log, dt_bias, *, num_tokens, use_qk_l2norm):
+            # the step on the layer's raw inputs in ``cache``'s arena: the kernel splits the
+            # conv's channels and forms the gates itself (two XLA kernels fewer per layer)
             hv, dk, dv = self.spec.state_shape
             o, buf = recurrent_step_mixed(
                 mixed[:, 0],
@@ -267,14 +267,26 @@ class ArenaCache:
                 b[:, 0],
                 a_log,
                 dt_bias,
-                **self._gdn_kernel_args(gi, fresh=False),
+                **cache._gdn_kernel_args(gi, fresh=False),
                 num_k_heads=(mixed.shape[-1] - hv * dv) // (2 * dk),
                 head_k_dim=dk,
                 use_qk_l2norm=use_qk_l2norm,
-                zero_state=self.lengths <= 0,
+                zero_state=cache.lengths <= 0,
                 live=None if num_tokens is None else num_tokens > 0,
             )
-            return o[:, None], dataclasses.replace(self, buffer=buf)
+            return o[:, None], dataclasses.replace(cache, buffer=buf)
+
+        def raw(mixed, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool):
+            return step_mixed(
+                self,
+                mixed,
+                a,
+                b,
+                a_log,
+                dt_bias,
+                num_tokens=num_tokens,
+                use_qk_l2norm=use_qk_l2norm,
+            )
 
         def conv(qkv, weight, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool):
             # the conv too: its window read, updated and written in place by one kernel
@@ -292,9 +304,10 @@ class ArenaCache:
                 interpret=args["interpret"],
             )
             after = dataclasses.replace(self, buffer=buf)
-            return after.gdn_step_rule(gi).raw(
-                y[:, None], a, b, a_log, dt_bias, num_tokens=num_tokens, use_qk_l2norm=use_qk_l2norm
-            )
+            return step_mixed(
+                after, y[:, None], a, b, a_log, dt_bias, num_tokens=num_tokens,
+                use_qk_l2norm=use_qk_l2norm,
+            )  # fmt: skip
 
         rule.raw = raw
         sp = self.spec

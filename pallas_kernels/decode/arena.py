@@ -62,10 +62,10 @@ def _check_inputs(q, k, v, g, beta, block_v, *, tokens: bool = False):
     return (b[0] if n == 1 else b), hk, hv, dk, dv
 
 
-def _row_flags(name, x, b):
-    """An optional ``[B]`` per-row argument as int32 (default: zeros)."""
+def row_flags(name, x, b, default: int = 0):
+    """An optional ``[B]`` per-row argument as int32 (``None``: ``default`` for every row)."""
     if x is None:
-        return jnp.zeros((b,), jnp.int32)
+        return jnp.full((b,), default, jnp.int32)
     if x.shape != (b,):
         raise ValueError(f"{name}: expected shape [B] = ({b},), got {x.shape}")
     return x.astype(jnp.int32)
@@ -123,7 +123,7 @@ def recurrent_step(
     """
     b, hk, hv, dk, dv = _check_inputs(q, k, v, g, beta, block_v)
     check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
-    zero_state = _row_flags("zero_state", zero_state, b)
+    zero_state = row_flags("zero_state", zero_state, b)
     bv = min(block_v, dv)
     grp = hv // hk
     scale = dk**-0.5 if scale is None else float(scale)
@@ -223,8 +223,8 @@ def recurrent_step_mixed(
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v: a power of two >= 16, got {block_v}")
     check_arena(arena, table, handles, bsz, state_offset, hv, dk, dv)
-    zero_state = _row_flags("zero_state", zero_state, bsz)
-    live = jnp.ones((bsz,), jnp.int32) if live is None else _row_flags("live", live, bsz)
+    zero_state = row_flags("zero_state", zero_state, bsz)
+    live = row_flags("live", live, bsz, default=1)
     bv = min(block_v, dv)
     grp = hv // hk
     v0 = 2 * hk * dk // bv  # v's first block of bv channels
@@ -319,10 +319,10 @@ def recurrent_prefill(
     if t < 1:
         raise ValueError(f"T: at least one token per row, got {t}")
     check_arena(arena, table, handles, b, state_offset, hv, dk, dv)
-    zero_state = _row_flags("zero_state", zero_state, b)
+    zero_state = row_flags("zero_state", zero_state, b)
     if num_tokens is None:
         num_tokens = jnp.full((b,), t, jnp.int32)
-    num_tokens = _row_flags("num_tokens", num_tokens, b)
+    num_tokens = row_flags("num_tokens", num_tokens, b)
     bv = min(block_v, dv)
     grp = hv // hk
     scale = dk**-0.5 if scale is None else float(scale)

@@ -28,16 +28,9 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._arena import check_table_handles, whole
 from pallas_kernels._wy import F32
+from pallas_kernels.decode.arena import row_flags
 
 HIGH_HALF = 0xFFFF0000
-
-
-def _row_flags(name, x, b, default):
-    if x is None:
-        return jnp.full((b,), default, jnp.int32)
-    if x.shape != (b,):
-        raise ValueError(f"{name}: expected shape [B] = ({b},), got {x.shape}")
-    return x.astype(jnp.int32)
 
 
 def _silu(x):
@@ -96,8 +89,8 @@ def conv_step(
             f"conv_offset: {conv_offset} + (W-1) * {row_words} words must fit a segment of "
             f"{arena.shape[1]} words"
         )
-    zero_state = _row_flags("zero_state", zero_state, b, 0)
-    live = _row_flags("live", live, b, 1)
+    zero_state = row_flags("zero_state", zero_state, b)
+    live = row_flags("live", live, b, default=1)
     lanes = bc // 2 if packed else bc  # words per state row and program
 
     def kernel(x_ref, w_ref, lv_ref, zs_ref, hd_ref, tab_ref, ar_ref, y_ref, out_ref):
