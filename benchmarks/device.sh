@@ -31,8 +31,8 @@
 #   arena_copies        arena_copies: whole-arena copies in each arena program, auto and xla
 #   model_step_flags    model_step: Qwen3.5-35B-A3B cut to 8 layers, decode at B 1 and 16 (BATCH)
 #                       and a 29-node verify, kernels profiled, under the engine's launch policy
-#                       (graphs up to 8 tokens; its decode HLO packed into hlo_8l.tgz), every
-#                       step a CUDA graph, and none (GRAPHS picks; 16 GB arena)
+#                       (every step a CUDA graph; its decode HLO packed into hlo_8l.tgz), graphs
+#                       up to 8 tokens only, and none (GRAPHS picks; 16 GB arena)
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
@@ -158,20 +158,20 @@ step() {
     done
     ;;
   model_step_flags)
-    # the engine's launch policy (serving/launch.py) against every step as a CUDA graph and
-    # none; the policy run's decode HLO dumped aside and packed into one file
-    local name tokens dump=/tmp/hlo_8l
-    for name in ${GRAPHS:-policy all none}; do
+    # the engine's launch policy (serving/launch.py: every step a CUDA graph) against graphs up
+    # to 8 tokens and none; the default run's decode HLO dumped aside and packed into one file
+    local name bound dump=/tmp/hlo_8l
+    for name in ${GRAPHS:-all upto8 none}; do
       case $name in
-        policy) tokens=8 ;;
-        all) tokens=1000000 ;;
-        none) tokens=0 ;;
+        all) bound=() ;;
+        upto8) bound=(--cuda-graph-max-tokens 8) ;;
+        none) bound=(--cuda-graph-max-tokens 0) ;;
       esac
-      XLA_FLAGS=$([ "$name" = policy ] && echo "--xla_dump_to=$dump --xla_dump_hlo_module_re=.*decode.*") \
+      XLA_FLAGS=$([ "$name" = all ] && echo "--xla_dump_to=$dump --xla_dump_hlo_module_re=.*decode.*") \
         TAILN=40 run "${LIMIT:-200}" model_step "h200_8l_graphs_$name" \
         python3 -m benchmarks.model_step --layers 8 --batch "${BATCH:-1,16}" --tree-sizes 29 \
-        --prefill-prompts 0 --memory-budget 16e9 --reps 10 --profile \
-        --cuda-graph-max-tokens "$tokens" --json "$(json model_step "h200_8l_graphs_$name")"
+        --prefill-prompts 0 --memory-budget 16e9 --reps 10 --profile "${bound[@]}" \
+        --json "$(json model_step "h200_8l_graphs_$name")"
     done
     [ -d "$dump" ] && tar czf "$OUT/model_step/hlo_8l.tgz" -C "$dump" . && rm -rf "$dump"
     ;;

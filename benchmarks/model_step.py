@@ -26,7 +26,9 @@ expected distinct experts under uniform routing, the embedding rows (the MTP hea
 these steps, is not counted), the GDN states read and
 written, the KV read) over the HBM bandwidth measured in the same run, or its FLOPs (2 per
 active weight per token) over the measured bf16 matmul rate where that is larger. Times are
-medians of ``--reps`` calls, each blocked on its outputs and the arena.
+medians of ``--reps`` calls, each blocked on its outputs and the arena, the previous call's
+outputs released first as the engine releases them (decode rows also time the calls with them
+held: ``held_ms``, the CUDA graph then re-recorded before each run).
 """
 
 from __future__ import annotations
@@ -149,13 +151,19 @@ class _Capture:
         return self.inner(*a, **k)
 
 
-def median_ms(fn, reps: int, block) -> tuple[float, float]:
+def median_ms(fn, reps: int, block, release: bool = True) -> tuple[float, float]:
     """Median ms of ``fn()`` blocked on its outputs, and median ms until ``fn`` returned (the
-    host's dispatch of the program)."""
+    host's dispatch of the program). The previous call's outputs are released before the next
+    call (as the engine does: it reads a step's tokens, then drops its outputs), or kept alive
+    while it is dispatched when ``not release``: then the step's output buffers land elsewhere
+    each call and XLA re-records the CUDA graph's commands that touch them, on the host."""
     block(fn())
     block(fn())
     ts, ds = [], []
+    out = None
     for _ in range(reps):
+        if release:
+            out = None
         t = time.perf_counter()
         out = fn()
         ds.append(1e3 * (time.perf_counter() - t))
@@ -209,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--cuda-graph-max-tokens",
         type=int,
-        default=8,
-        help="the engine's CUDA graph bound (steps of at most this many tokens run as graphs)",
+        help="the engine's CUDA graph bound: steps of at most this many tokens run as graphs, "
+        "larger ones kernel by kernel (default: every step a graph)",
     )
     ap.add_argument("--reps", type=int, default=20, help="timed calls per program")
     ap.add_argument(
@@ -324,12 +332,14 @@ def main(argv: list[str] | None = None) -> dict:
         last = rng.integers(1, mc.vocab_size, b).astype(np.int32)
         call = functools.partial(runner.decode, handles, pages, lengths, last)
         ms, dispatch = median_ms(call, args.reps, block)
+        held, _ = median_ms(call, args.reps, block, release=False)
         decode_ms[b] = ms
         if b == args.verify_batch:
             verify_rows = (handles, pages, lengths)
         if b in args.batch:
             fl = floor_s(w, mc, b, args.context, 1, True, bw, flops)
-            add(dict(step="decode", batch=b, tokens=b, ms=ms, dispatch_ms=dispatch, **fl), call)
+            row = dict(step="decode", batch=b, tokens=b, ms=ms, dispatch_ms=dispatch)
+            add(dict(row, held_ms=held, **fl), call)
     handles, pages, lengths = verify_rows
     vb = args.verify_batch
     for n in args.tree_sizes:
@@ -424,6 +434,7 @@ def _report(args, doc, rows, name, mc, runner, bw, flops) -> dict:
         ("floor_ms", "floor ms"),
         ("over_floor", "/ floor"),
         ("dispatch_ms", "dispatch ms"),
+        ("held_ms", "ms, outputs held"),
         ("kernels", "kernels"),
         ("busy_ms", "GPU busy ms"),
         ("bound", "floor bound"),

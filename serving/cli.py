@@ -256,9 +256,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graph-max-tokens",
         type=int,
-        default=8,
-        help="on a GPU, steps of at most this many tokens run as CUDA graphs, larger ones "
-        "launch kernels one by one; 0: no graphs (default: %(default)s)",
+        default=None,
+        help="on a GPU, run only steps of at most this many tokens as CUDA graphs and launch "
+        "larger ones kernel by kernel; 0: no graphs (default: every step a graph)",
     )
     p.add_argument(
         "--dtype",

@@ -1,21 +1,23 @@
 """How the engine's step programs launch their kernels on a GPU: as CUDA graphs or one by one.
 
-XLA runs a GPU program as one CUDA graph (a command buffer) by default. Each call re-records
-the graph's kernel nodes whose buffers moved (the step's fresh inputs and outputs, its
-scratch), on the host, before the graph starts: about 5-7 us a kernel on the H200 machine,
-and the device waits for it. Launched one by one instead, the host's launches overlap the
-device's work, but cost more per kernel (7-14 us). Measured on a Qwen3.5-35B-A3B cut to 8
-layers (~250 kernels a step; ``benchmarks/model_step.py``, ``bash benchmarks/device.sh
-model_step_flags``): the one-row decode step is fastest as a graph, while 16 rows and a 29-node
-verify are 18-30% faster launched one by one, their kernels being long enough to hide the
-launches.
+XLA runs a GPU program as one CUDA graph (a command buffer) by default. Before a call it
+re-records, on the host, the graph's commands whose buffer allocations moved since the last
+call (about 5-7 us a command on the H200 machine; the device waits for it), and replays the
+graph as recorded otherwise. The allocations stay put when a step's outputs are released
+before the next step is dispatched, as the engine does (it reads a step's tokens, then drops
+its outputs): then the graph replays without re-recording. Measured on the whole
+Qwen3.5-35B-A3B (40 layers, ``benchmarks/model_step.py``): decode at 1, 16 and 64 rows takes
+5.4, 8.6 and 15.8 ms as graphs; 16 and 64 rows launched kernel by kernel take 12.3 and 17.2 ms
+(the host's launches, 7-14 us each, overlap the device's work but bound the step). With the
+previous step's outputs kept alive while the next is dispatched, the graphs re-record every
+call and take 11.6, 11.7 and 22.9 ms.
 
-So a program is compiled both ways on demand: as a graph when it runs at most
-``graph_tokens`` tokens (rows x tokens per row; :class:`ByTokens`), kernel by kernel above.
-Either way the executable takes the GPU's exclusive lock (``xla_gpu_require_exclusive_lock``,
-which makes re-recording a graph cheaper: 10-15% on the same steps); the engine drives each
-device from one thread. These are compiler options of the programs alone (no process-wide
-``XLA_FLAGS``), and other backends ignore them.
+So every step runs as a graph by default; a bound ``graph_tokens`` (rows x tokens per row;
+:class:`ByTokens`) launches larger steps kernel by kernel instead, for a caller that holds
+step outputs across steps. Either way the executable takes the GPU's exclusive lock
+(``xla_gpu_require_exclusive_lock``, which makes re-recording a graph cheaper: 10-15%); the
+engine drives each device from one thread. These are compiler options of the programs alone
+(no process-wide ``XLA_FLAGS``), and other backends ignore them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-DEFAULT_GRAPH_TOKENS = 8  # LLM(cuda_graph_max_tokens=): the largest step run as a CUDA graph
+DEFAULT_GRAPH_TOKENS = None  # LLM(cuda_graph_max_tokens=): the largest graph step (None: all)
 
 GRAPHS = {"xla_gpu_require_exclusive_lock": True}
 NO_GRAPHS = {**GRAPHS, "xla_gpu_enable_command_buffer": ""}

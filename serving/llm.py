@@ -197,10 +197,10 @@ class LLM:
         activations. Default: ``max(8192, prefill_chunk)``.
       batch_buckets: the padded batch sizes the steps compile for (default: powers of two
         below ``max_num_seqs``, and ``max_num_seqs``); the largest must be ``max_num_seqs``.
-      cuda_graph_max_tokens: on a GPU, steps of at most this many tokens (rows x tokens per
-        row) run as one CUDA graph each; larger ones launch their kernels one by one, which
-        overlaps the host's launches with the device's work (:mod:`serving.launch`). ``0``:
-        no graphs.
+      cuda_graph_max_tokens: on a GPU every step runs as one CUDA graph (``None``, the
+        default); a bound runs only steps of at most this many tokens (rows x tokens per row)
+        as graphs and launches larger ones kernel by kernel (:mod:`serving.launch`). ``0``: no
+        graphs.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
@@ -250,7 +250,7 @@ class LLM:
         prefill_chunk: int = 64,
         max_prefill_tokens: int | None = None,
         batch_buckets: Sequence[int] | None = None,
-        cuda_graph_max_tokens: int = DEFAULT_GRAPH_TOKENS,
+        cuda_graph_max_tokens: int | None = DEFAULT_GRAPH_TOKENS,
         segment_bytes: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
@@ -273,9 +273,12 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(cuda_graph_max_tokens, int) or cuda_graph_max_tokens < 0:
+        if cuda_graph_max_tokens is not None and (
+            not isinstance(cuda_graph_max_tokens, int) or cuda_graph_max_tokens < 0
+        ):
             raise ValueError(
-                f"cuda_graph_max_tokens must be a non-negative int, got {cuda_graph_max_tokens!r}"
+                "cuda_graph_max_tokens must be None or a non-negative int, got "
+                f"{cuda_graph_max_tokens!r}"
             )
         if dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")

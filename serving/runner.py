@@ -224,7 +224,7 @@ def _arena_programs(
     kernels: ArenaKernels = XLA_KERNELS,
     commit_impl: str = "auto",
     make_cache=ArenaCache,
-    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
+    graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS,
 ):
     """The step functions over the arena: ``buf`` is donated and returned updated (prefill,
     decode, verify, commit). ``kernels`` picks XLA or the in-place Pallas kernels for verify
@@ -247,7 +247,8 @@ def _arena_programs(
     (:class:`serving.parallel.Placement`, whose arena has one slice per device).
 
     ``graph_tokens``: steps of at most this many tokens run as CUDA graphs, larger ones launch
-    their kernels one by one (:mod:`serving.launch`); the commit always runs as a graph."""
+    their kernels one by one (``None``: every step a graph; :mod:`serving.launch`); the commit
+    always runs as a graph."""
 
     def cache_of(buf, table, handles, pages, lengths):
         # every read before every write (ArenaCache.flush): no copy of the arena
@@ -316,7 +317,7 @@ def _arena_sequence_programs(
     spec: ArenaSpec,
     kernels: ArenaKernels = XLA_KERNELS,
     make_cache=ArenaCache,
-    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
+    graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS,
 ):
     """Prefill and decode over the arena (``buf`` donated and returned): XLA windows, the
     attention layers by the in-place paged attention kernel when ``kernels.attention``."""
@@ -346,7 +347,7 @@ def _arena_decode_program(
     spec: ArenaSpec,
     kernels: ArenaKernels,
     make_cache=ArenaCache,
-    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
+    graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS,
 ):
     """Decode over the arena (``buf`` donated and returned): one token through
     :func:`gdn_jax.models.steps.prefill`; with ``kernels.decode`` its GDN layers run the conv
@@ -422,7 +423,8 @@ class ArenaRunner:
     :meth:`prefill`.
 
     ``graph_tokens``: steps of at most this many tokens (rows x tokens per row) run as CUDA
-    graphs on a GPU, larger ones launch their kernels one by one (:mod:`serving.launch`).
+    graphs on a GPU, larger ones launch their kernels one by one (``None``: every step a graph;
+    :mod:`serving.launch`).
 
     ``placement``: a :class:`serving.parallel.Placement` when the model is split over several
     devices: the manager's layout is then one device's share (``placement.local_config``),
@@ -439,7 +441,7 @@ class ArenaRunner:
         kernels: str = "auto",
         draft: bool = False,
         placement=None,
-        graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS,
+        graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS,
     ):
         self.kind = "arena"
         self.graph_tokens = graph_tokens

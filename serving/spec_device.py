@@ -316,7 +316,7 @@ class ProgramKey:
     make_target_cache: object = ArenaCache
     make_draft_cache: object = ArenaCache
     # steps of at most this many tree tokens run as CUDA graphs (serving.launch)
-    graph_tokens: int = launch.DEFAULT_GRAPH_TOKENS
+    graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS
 
 
 @functools.cache

@@ -33,10 +33,10 @@ def test_by_tokens_routes_by_the_step_size():
         launch.ByTokens(lambda t: t, -1, 0)
 
 
-@pytest.mark.parametrize("graph_tokens", [0, 1 << 20])
+@pytest.mark.parametrize("graph_tokens", [0, 1 << 20, None])
 def test_engine_steps_take_the_variant_of_their_size(graph_tokens):
-    """``cuda_graph_max_tokens=0`` compiles no graph variant, a huge bound only graph
-    variants; the greedy tokens are the same either way."""
+    """``cuda_graph_max_tokens=0`` compiles no graph variant, a huge bound and ``None`` (the
+    default: every step) only graph variants; the greedy tokens are the same either way."""
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     params = SamplingParams(max_tokens=4)
     llm = LLM(ASSETS / "target", **TINY, cuda_graph_max_tokens=graph_tokens)
@@ -44,7 +44,7 @@ def test_engine_steps_take_the_variant_of_their_size(graph_tokens):
     runner = llm.engine.runner
     graphs = runner._decode.graphs._cache_size() + runner._prefill.graphs._cache_size()
     kernels = runner._decode.kernels._cache_size() + runner._prefill.kernels._cache_size()
-    assert (graphs > 0, kernels > 0) == (graph_tokens > 0, graph_tokens == 0)
+    assert (graphs > 0, kernels > 0) == (graph_tokens != 0, graph_tokens == 0)
     ref = LLM(ASSETS / "target", **TINY)
     assert out == [o.token_ids for o in ref.generate(prompts, params)]
 
