@@ -33,6 +33,7 @@
 #                       and a 29-node verify, kernels profiled, under the engine's launch policy
 #                       (every step a CUDA graph; its decode HLO packed into hlo_8l.tgz), graphs
 #                       up to 8 tokens only, and none (GRAPHS picks; 16 GB arena)
+#   dispatch            dispatch: one jitted call's host cost against its number of arguments
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
@@ -174,6 +175,9 @@ step() {
         --json "$(json model_step "h200_8l_graphs_$name")"
     done
     [ -d "$dump" ] && tar czf "$OUT/model_step/hlo_8l.tgz" -C "$dump" . && rm -rf "$dump"
+    ;;
+  dispatch)
+    TAILN=10 run 200 dispatch h200 python3 -m benchmarks.dispatch --json "$(json dispatch h200)"
     ;;
   layers)
     TAILN=8 run 400 layers h200 python3 -m benchmarks.layers --json "$(json layers h200)"

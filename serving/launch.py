@@ -6,11 +6,12 @@ call (about 5-7 us a command on the H200 machine; the device waits for it), and 
 graph as recorded otherwise. The allocations stay put when a step's outputs are released
 before the next step is dispatched, as the engine does (it reads a step's tokens, then drops
 its outputs): then the graph replays without re-recording. Measured on the whole
-Qwen3.5-35B-A3B (40 layers, ``benchmarks/model_step.py``): decode at 1, 16 and 64 rows takes
-5.4, 8.6 and 15.8 ms as graphs; 16 and 64 rows launched kernel by kernel take 12.3 and 17.2 ms
-(the host's launches, 7-14 us each, overlap the device's work but bound the step). With the
-previous step's outputs kept alive while the next is dispatched, the graphs re-record every
-call and take 11.6, 11.7 and 22.9 ms.
+Qwen3.5-35B-A3B (40 layers, ``benchmarks/model_step.py``; ``model_step/h200_launch_graphs*.json``
+in ``benchmarks/results``): decode at 1, 16 and 64 rows takes 5.4, 8.6 and 15.8 ms as graphs;
+16 and 64 rows launched kernel by kernel take 12.6 and 17.8 ms (the host's launches, 7-14 us
+each, overlap the device's work but bound the step). With the previous step's outputs kept
+alive while the next is dispatched, the graphs re-record every call and take 11.6, 11.7 and
+22.9 ms.
 
 So every step runs as a graph by default; a bound ``graph_tokens`` (rows x tokens per row;
 :class:`ByTokens`) launches larger steps kernel by kernel instead, for a caller that holds

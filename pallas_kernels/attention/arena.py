@@ -13,8 +13,7 @@ Two entry points share one kernel body (page loop, word loads, online softmax):
 A KV unit of the arena is ``[La, 2, S, Hkv, D]`` in the cache dtype
 (``serving.arena_spec.ArenaSpec``), starting ``kv_offset`` words into the unit; row
 ``b``'s logical page ``j`` is the unit of handle ``page_handles[b, j]``, found at
-``table[handle] = (segment, word)``. Each page step loads the head's ``[S, D]`` K and V tiles as
-``uint32`` words with one indexed load each:
+``table[handle] = (segment, word)``. K and V are read as ``uint32`` words:
 
 - f32 caches: the words are the values (bitcast);
 - bf16 caches: a word holds elements ``2i`` (low half) and ``2i + 1`` (high half), and a bf16
@@ -23,9 +22,32 @@ A KV unit of the arena is ``[La, 2, S, Hkv, D]`` in the cache dtype
   interleaves them: ``q k^T = q_even k_even^T + q_odd k_odd^T`` with ``q`` read at stride 2,
   and the output's even and odd columns are accumulated and stored at stride 2.
 
-Positions at or past ``kv_len`` (a recycled page holds arbitrary bits, NaN patterns included)
-get a zero value row and a ``-inf`` score, so they contribute nothing; an unmapped page
-(handle ``-1``) below ``kv_len`` reads as zeros, as the XLA path's gather reads it.
+Programs and tiles (grouped-query packing). One program per (batch row, KV head ``hk``, query
+block); its query tile stacks the ``group = Hq / Hkv`` query heads that share KV head ``hk``:
+row ``r = i * group + g`` is query ``i`` of the block (``block_q`` queries) in head
+``hk * group + g``. Each K/V tile is thus loaded once for all the heads that read it, and
+decode (one query) has ``group`` real rows. The rows are padded to a power of two ``>= 16``
+(Triton's dots want ``M >= 16``) with copies of the last real row, which store into spare
+slots past the output, dropped. The q rows are gathered from ``[B, T, Hq, D]`` and the output
+rows scattered back by element index.
+
+Each loop step covers ``pages_per_step`` consecutive logical pages, ``pages_per_step * S``
+keys: key row ``k`` of the step lies in page ``j * pages_per_step + k // S`` and looks up that
+page's own handle, segment and word, so the ``[keys, D / parts]`` word-index tile has one base
+per row; the next step's handles and table entries are looked up while the current step's
+tiles load. K and V are one masked indexed load each: positions at or past the block's causal
+bound (at most ``kv_len``; a recycled page holds arbitrary bits, NaN patterns included) and
+unmapped pages (handle ``-1``) read as zeros, as the XLA path's gather of them. A zero key
+below a query's limit scores 0 (as XLA's); every other position at or past the limit gets a
+``-inf`` score, so it contributes nothing. The page table is padded with ``-1`` to a power of
+two that is a multiple of ``pages_per_step``.
+
+Dots: with bf16 queries over a bf16 cache and ``D >= 32``, ``q k^T`` takes bf16 operands (the
+even and odd halves are exact bf16 values) with f32 accumulation, and ``p v`` takes ``p``
+rounded to bf16 (flash-attention practice); the softmax statistics and the accumulator stay
+f32 (a smaller ``D`` would give the bf16 dots a contraction under 16, which the GPU's Triton
+dot does not compute right). f32 queries take f32 operands at ``Precision.HIGHEST``; other
+combinations f32 operands at the default precision. The score scale multiplies the f32 dot.
 """
 
 from __future__ import annotations
@@ -35,6 +57,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention.kernel import (
     NEG,
@@ -43,23 +66,35 @@ from pallas_kernels.attention.kernel import (
     _dot_nn,
     _dot_nt,
     _next_pow2,
-    _node_specs,
     _pad_nodes,
 )
 
 F32 = jnp.float32
-DEFAULT_BLOCKS = TreeAttentionBlocks()
-BLOCK_Q = 64  # queries per program of paged_attention (a longer prefill chunk: more programs)
-MIN_ROWS = 16  # query rows per program at least (Triton's dot wants M >= 16; decode pads 1 -> 16)
+BF16 = jnp.bfloat16
+MIN_ROWS = 16  # query rows per program at least (Triton's dot wants M >= 16)
+# Defaults, chosen for the H200 at D 256 (bf16 cache: 128 words a head row) with 8 warps, so
+# that a [rows, D] f32 accumulator, the [rows, keys] scores and the two [keys, words] K/V word
+# tiles of a step fit the registers (about 64 words a thread per tile):
+BLOCK_ROWS = 64  # query rows (block_q * group) per program: 64 keeps a prefill chunk's grid
+# wide enough for the SMs (512 queries, 2 KV heads, group 8: 128 programs)
+DECODE_WORDS = 16384  # K tile words per step for a tile of MIN_ROWS rows: decode, 128 keys
+BLOCK_WORDS = 8192  # the same for a larger tile (the accumulator takes registers): 64 keys
+MAX_KEYS = 128  # keys per step at most by default (smaller head dims)
+DEFAULT_BLOCKS = TreeAttentionBlocks(num_warps=8, num_stages=1)
 
 
-def _words_to_f32(w, packed: bool):
-    """``uint32`` words -> the f32 values (``packed``: bf16 pairs -> (even, odd) columns)."""
+def _words_to(w, packed: bool, dtype):
+    """``uint32`` words -> the values in ``dtype`` (``packed``: bf16 pairs -> (even, odd)
+    columns, each exact in bf16 and f32)."""
     if not packed:
         return (jax.lax.bitcast_convert_type(w, F32),)
     even = jax.lax.bitcast_convert_type(jax.lax.shift_left(w, jnp.uint32(16)), F32)
     odd = jax.lax.bitcast_convert_type(w & jnp.uint32(0xFFFF0000), F32)
-    return even, odd
+    return even.astype(dtype), odd.astype(dtype)
+
+
+def _iota(shape, dim=0):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
 def _kernel(
@@ -72,83 +107,119 @@ def _kernel(
     draft,
     total,
     group,
+    block_q,
+    rows,
+    heads,
+    head_dim,
+    junk,
     scale,
+    fast,
     precision,
     layer,
     kv_offset,
     page_size,
+    pages_per_step,
     kv_heads,
     packed,
 ):
-    """One program per (batch row, query head[, query block]). ``draft``: ``refs`` are
-    ``(draft_k, draft_v, draft_mask, out)`` and every query sees the committed keys
+    """One program per (batch row, KV head, query block) over ``rows`` stacked query rows
+    (module docstring). ``q_ref`` is ``[B, Tq * Hq * D]`` (``[B, Tq, Hq, D]`` flat per batch
+    row); ``o_ref`` has ``(rows - block_q * group) * D`` elements more per batch row, from
+    ``junk`` on, where the padding rows store. ``draft``: ``refs`` are
+    ``(draft_k, draft_v, draft_mask [B, N * N], out)`` and every query sees the committed keys
     ``j < kv_len``, then the draft keys its mask row allows; else ``(q_pos, out)`` and query
     ``t`` sees ``j < min(kv_len, q_pos[t] + 1)``. ``total``: the key count of the XLA path's
-    softmax (``MP * S``), for queries that see no key (below)."""
+    softmax (``MP * S``), for queries that see no key (below). ``fast``: bf16 dot operands
+    (module docstring)."""
     if draft:
         dk_ref, dv_ref, mask_ref, o_ref = refs
     else:
         qpos_ref, o_ref = refs
-    b = pl.program_id(0)
-    hk = pl.program_id(1) // group
-    n, d = q_ref.shape
+    b, hk, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     parts = 2 if packed else 1
-    w = d // parts  # words per head row
-    cols = [pl.ds(i, w, stride=parts) for i in range(parts)]  # even/odd (or all) columns
-    qs = [q_ref[:, c].astype(F32) * scale for c in cols]
+    w = head_dim // parts  # words per head row
+    op = BF16 if fast else F32
+
+    # query rows: r = i * group + g (the padding rows repeat the last real one)
+    real = block_q * group
+    r = _iota((rows,))
+    rq = jnp.minimum(r, real - 1)
+    t = blk * block_q + jax.lax.div(rq, group)  # [rows]: the row's query index
+    first = (t * heads + hk * group + jax.lax.rem(rq, group)) * head_dim  # [rows]
+    col = _iota((rows, w), 1) * parts
+    qs = [q_ref[b, first[:, None] + col + i].astype(op) for i in range(parts)]
+    # a padding row stores into its own spare slot past the [Tq, Hq, D] output (dropped)
+    first = jnp.where(r < real, first, junk + (r - real) * head_dim)
+
     kv_len = len_ref[b]
     if draft:
         limit = hi = kv_len
     else:
-        limit = jnp.minimum(qpos_ref[...] + 1, kv_len)  # [n]: keys j < limit are seen
-        # causal: the block's last query bounds the pages, unless a query sees no key (then
+        limit = jnp.minimum(qpos_ref[b, t] + 1, kv_len)  # [rows]: keys j < limit are seen
+        # causal: the tile's last query bounds the pages, unless a query sees no key (then
         # it averages every committed value, as XLA's uniform softmax does: walk them all)
         hi = jnp.where(jnp.min(limit) > 0, jnp.max(limit), kv_len)
         limit = limit[:, None]
-    row = jax.lax.broadcasted_iota(jnp.int32, (page_size, w), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (page_size, w), 1)
-    tile = row * (kv_heads * w) + col  # word index of (token, column) within a K or V block
-    k_block = (2 * layer) * page_size * kv_heads * w + hk * w
-    v_block = k_block + page_size * kv_heads * w
 
-    def update(carry, s, vs):
-        m, l, accs = carry
+    keys = page_size * pages_per_step
+    mpp = pt_ref.shape[0]
+    kr = _iota((keys,))  # key row within a step
+    token_words = kv_heads * w  # words per token of a K or V block
+    k_block = (2 * layer) * page_size * token_words + hk * w
+    v_block = page_size * token_words  # the V block follows the K block
+    row_off = kv_offset + k_block + jax.lax.rem(kr, page_size) * token_words  # [keys]
+    tile_col = _iota((keys, w), 1)
+
+    def address(j):
+        """``(segment, first word, handle)`` per key row of step ``j`` (``-1``: unmapped)."""
+        page = j * pages_per_step + jax.lax.div(kr, page_size)
+        handle = jnp.where(page < mpp, pt_ref[jnp.minimum(page, mpp - 1)], -1)
+        h0 = jnp.maximum(handle, 0)
+        return tab_ref[h0, 0], tab_ref[h0, 1] + row_off, handle
+
+    def update(state, s, vs):
+        m, l, accs = state
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
+        pv = p.astype(op)
         accs = tuple(
-            alpha[:, None] * a + _dot_nn(p, v, precision) for a, v in zip(accs, vs, strict=True)
+            alpha[:, None] * a + _dot_nn(pv, v, precision) for a, v in zip(accs, vs, strict=True)
         )
         return m_new, alpha * l + jnp.sum(p, axis=1), accs
 
-    def page_step(j, carry):
-        handle = pt_ref[j]
-        seg = tab_ref[jnp.maximum(handle, 0), 0]
-        base = tab_ref[jnp.maximum(handle, 0), 1] + kv_offset
-        ks = _words_to_f32(ar_ref[seg, base + k_block + tile], packed)
-        vs = _words_to_f32(ar_ref[seg, base + v_block + tile], packed)
-        # an unmapped page reads as zeros (as XLA's gather of it), a position past kv_len too
-        live = (j * page_size + row < kv_len) & (handle >= 0)
-        vs = tuple(jnp.where(live, v, 0.0) for v in vs)
-        s = sum(
-            _dot_nt(qk, jnp.where(live, k, 0.0), precision) for k, qk in zip(ks, qs, strict=True)
-        )
-        pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (n, page_size), 1)
-        return update(carry, jnp.where(pos < limit, s, NEG), vs)
+    def step(j, carry):
+        (seg, base, handle), state = carry
+        ahead = address(j + 1)  # independent of this step's loads
+        pos = j * keys + kr  # [keys]
+        shape = (keys, w)
+        live = jnp.broadcast_to(((pos < hi) & (handle >= 0))[:, None], shape)
+        segs = jnp.broadcast_to(seg[:, None], shape)
+        idx = base[:, None] + tile_col
+        k_words = plt.load(ar_ref.at[segs, idx], mask=live, other=jnp.uint32(0))
+        v_words = plt.load(ar_ref.at[segs, idx + v_block], mask=live, other=jnp.uint32(0))
+        ks, vs = _words_to(k_words, packed, op), _words_to(v_words, packed, op)
+        s = sum(_dot_nt(qk, k, precision) for qk, k in zip(qs, ks, strict=True)) * scale
+        s = jnp.where(pos[None, :] < limit, s, NEG)
+        return ahead, update(state, s, vs)
 
-    carry = (
-        jnp.full((n,), NEG, F32),
-        jnp.zeros((n,), F32),
-        tuple(jnp.zeros((n, w), F32) for _ in cols),
+    state = (
+        jnp.full((rows,), NEG, F32),
+        jnp.zeros((rows,), F32),
+        tuple(jnp.zeros((rows, w), F32) for _ in range(parts)),
     )
-    carry = jax.lax.fori_loop(0, (hi + page_size - 1) // page_size, page_step, carry)
+    steps = (hi + keys - 1) // keys
+    _, state = jax.lax.fori_loop(0, steps, step, (address(0), state))
     if draft:
+        cols = [pl.ds(i, w, stride=parts) for i in range(parts)]
+        nodes = dk_ref.shape[0]
         s = sum(
-            _dot_nt(qk, dk_ref[:, c].astype(F32), precision) for qk, c in zip(qs, cols, strict=True)
+            _dot_nt(qk, dk_ref[:, c].astype(op), precision) for qk, c in zip(qs, cols, strict=True)
         )
-        s = jnp.where(mask_ref[...] != 0, s, NEG)
-        carry = update(carry, s, tuple(dv_ref[:, c].astype(F32) for c in cols))
-    m, l, accs = carry
+        seen = mask_ref[b, t[:, None] * nodes + _iota((rows, nodes), 1)] != 0
+        s = jnp.where(seen, s * scale, NEG)
+        state = update(state, s, tuple(dv_ref[:, c].astype(op) for c in cols))
+    m, l, accs = state
     if not draft:
         # A query that sees no key (kv_len 0, or q_pos < 0) kept m = NEG, so every walked
         # position had weight exp(0) = 1 and acc = sum_{j < kv_len} v_j. XLA's softmax over
@@ -156,16 +227,29 @@ def _kernel(
         # zeroed: acc / total (0 for a row with kv_len 0).
         l = jnp.where(m == NEG, float(total), l)
     inv = 1.0 / jnp.maximum(l, 1e-30)[:, None]
-    for c, a in zip(cols, accs, strict=True):
-        o_ref[:, c] = (a * inv).astype(o_ref.dtype)
+    for i, a in enumerate(accs):
+        o_ref[b, first[:, None] + col + i] = (a * inv).astype(o_ref.dtype)
 
 
-def _prepare(q, arena, table, page_handles, hkv, kv_dtype, page_size):
-    """Checks the arguments both entry points share: ``(packed, page table padded to a power
-    of two with -1, its width)``."""
+def _pow2_at_least_1(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}: a power of two >= 1, got {value!r}")
+
+
+def _prepare(
+    q, arena, table, page_handles, hkv, kv_dtype, page_size, queries, block_q, pages_per_step
+):
+    """Checks the arguments both entry points share and picks the tiles: ``(packed, queries
+    per program, rows per program, pages per step, page table padded with -1 to a power of two
+    >= pages per step)``. ``queries``: the query (node) count, a block's upper bound.
+
+    Default pages per step: a K tile of ``DECODE_WORDS`` words for a tile of ``MIN_ROWS`` rows
+    (decode), ``BLOCK_WORDS`` for more rows, as keys a power of two <= ``MAX_KEYS`` (D 256,
+    bf16 cache, S 16: 8 pages, 128 keys, and 4 pages, 64 keys), and at most the page table's
+    width rounded up to a power of two."""
     b, _, hq, d = q.shape
     kv_dtype = jnp.dtype(kv_dtype)
-    if kv_dtype not in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)):
+    if kv_dtype not in (jnp.dtype(F32), jnp.dtype(BF16)):
         raise ValueError(f"kv_dtype: float32 or bfloat16, got {kv_dtype}")
     if hq % hkv:
         raise ValueError(f"q: heads {hq} must be a multiple of the KV heads {hkv}")
@@ -182,29 +266,70 @@ def _prepare(q, arena, table, page_handles, hkv, kv_dtype, page_size):
     for name, size in (("page_size", page_size), ("D", d)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name}: a power of two >= 16, got {size}")
-    mp2 = _next_pow2(page_handles.shape[1])
-    pt = jnp.pad(
-        page_handles.astype(jnp.int32),
-        [(0, 0), (0, mp2 - page_handles.shape[1])],
-        constant_values=-1,
-    )
-    return kv_dtype == jnp.dtype(jnp.bfloat16), pt, mp2
+    group = hq // hkv
+    if block_q is None:
+        block_q = 1 << (max(BLOCK_ROWS // group, 1).bit_length() - 1)
+    _pow2_at_least_1("block_q", block_q)
+    bq = min(block_q, _next_pow2(queries))
+    rows = max(_next_pow2(bq * group), MIN_ROWS)
+    mp = page_handles.shape[1]
+    packed = kv_dtype == jnp.dtype(BF16)
+    if pages_per_step is None:
+        words = (DECODE_WORDS if rows <= MIN_ROWS else BLOCK_WORDS) // (d // 2 if packed else d)
+        keys = min(1 << (max(words, 1).bit_length() - 1), MAX_KEYS)
+        pages_per_step = min(max(keys // page_size, 1), _next_pow2(mp))
+    _pow2_at_least_1("pages_per_step", pages_per_step)
+    mpp = max(_next_pow2(mp), pages_per_step)
+    pt = jnp.pad(page_handles.astype(jnp.int32), [(0, 0), (0, mpp - mp)], constant_values=-1)
+    return packed, bq, rows, pages_per_step, pt
 
 
-def _body(q, hkv, packed, draft, total, **static):
-    """The kernel with its static arguments bound."""
-    hq = q.shape[2]
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    return functools.partial(
+def _attention_call(
+    q_p, arena, table, pt, kv_len, extra, extra_specs, *, hkv, bq, draft, blocks, interpret, **kw
+):
+    """The ``pallas_call`` on the (batch row, KV head, query block) grid: ``q_p [B, Tq, Hq, D]``
+    with ``Tq`` a multiple of ``bq`` -> the output in the same shape."""
+    b, tq, hq, d = q_p.shape
+    size = tq * hq * d  # output elements per batch row, then the padding rows' spare slots
+    spare = (kw["rows"] - bq * (hq // hkv)) * d
+    kernel = functools.partial(
         _kernel,
         draft=draft,
-        total=total,
         group=hq // hkv,
-        precision=precision,
+        block_q=bq,
+        heads=hq,
+        head_dim=d,
+        junk=size,
+        # bf16 dots want a contraction of >= 16 words (wgmma's K step): D >= 32 packed
+        fast=kw["packed"] and q_p.dtype == BF16 and d >= 2 * MIN_ROWS,
+        precision=jax.lax.Precision.HIGHEST if q_p.dtype == F32 else None,
         kv_heads=hkv,
-        packed=packed,
-        **static,
+        **kw,
     )
+    whole = pl.BlockSpec(memory_space=None)
+    blocks = DEFAULT_BLOCKS if blocks is None else blocks
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, tq // bq),
+        in_specs=[
+            whole,
+            pl.BlockSpec((None, pt.shape[1]), lambda i, h, k: (i, 0)),
+            whole,
+            whole,
+            whole,
+            *extra_specs,
+        ],
+        **_call_args(whole, (b, size + spare), q_p.dtype, blocks, interpret),
+        name="tree_attention_arena" if draft else "paged_attention_arena",
+    )(
+        kv_len.astype(jnp.int32),
+        pt,
+        table.astype(jnp.int32),
+        q_p.reshape(b, size),
+        arena,
+        *extra,
+    )
+    return (out[:, :size] if spare else out).reshape(b, tq, hq, d)
 
 
 def tree_attention(
@@ -222,37 +347,49 @@ def tree_attention(
     page_size: int,
     kv_dtype,
     scale: float,
-    blocks: TreeAttentionBlocks = DEFAULT_BLOCKS,
+    blocks: TreeAttentionBlocks | None = None,
+    block_q: int | None = None,
+    pages_per_step: int | None = None,
     interpret: bool = False,
 ):
     """:func:`pallas_kernels.attention.kernel` for attention layer ``layer`` with the committed
     K/V in the arena. ``q [B, N, Hq, D]``, ``page_handles int [B, MP]`` (``-1`` = unmapped),
     ``kv_len int [B]``, ``draft_k/v [B, N, Hkv, D]``, ``draft_mask bool [B, N, N]``;
-    ``kv_dtype`` is the cache dtype in the units (float32 or bfloat16)."""
-    b, n, hq, d = q.shape
+    ``kv_dtype`` is the cache dtype in the units (float32 or bfloat16).
+
+    Knobs (module docstring; ``None`` picks the default): ``block_q`` nodes per program (a
+    power of two; default ``BLOCK_ROWS / group`` rounded down to a power of two, at most ``N``
+    padded), ``pages_per_step`` pages per loop step (a power of two; default in
+    :func:`_prepare`), ``blocks`` Triton warps and stages (default ``DEFAULT_BLOCKS``)."""
     hkv = draft_k.shape[2]
-    packed, pt, mp2 = _prepare(q, arena, table, page_handles, hkv, kv_dtype, page_size)
     q_p, dk_p, dv_p, mask, np2 = _pad_nodes(q, draft_k, draft_v, draft_mask)
-    static = dict(scale=scale, layer=layer, kv_offset=kv_offset, page_size=page_size)
-    kernel = _body(q, hkv, packed, True, 0, **static)
-    whole = pl.BlockSpec(memory_space=None)
-    q_spec, kv_spec, mask_spec = _node_specs(np2, d, hq // hkv)
-    out = pl.pallas_call(
-        kernel,
-        grid=(b, hq),
-        in_specs=[
-            whole,
-            pl.BlockSpec((None, mp2), lambda i, h: (i, 0)),
-            whole,
-            q_spec,
-            whole,
-            kv_spec,
-            kv_spec,
-            mask_spec,
-        ],
-        **_call_args(q_spec, (b, np2, hq, d), q.dtype, blocks, interpret),
-        name="tree_attention_arena",
-    )(kv_len.astype(jnp.int32), pt, table.astype(jnp.int32), q_p, arena, dk_p, dv_p, mask)
+    packed, bq, rows, pps, pt = _prepare(
+        q, arena, table, page_handles, hkv, kv_dtype, page_size, np2, block_q, pages_per_step
+    )
+    b, n, _, d = q.shape
+    kv_spec = pl.BlockSpec((None, np2, None, d), lambda i, h, k: (i, 0, h, 0))
+    out = _attention_call(
+        q_p,
+        arena,
+        table,
+        pt,
+        kv_len,
+        (dk_p, dv_p, mask.reshape(b, np2 * np2)),
+        (kv_spec, kv_spec, pl.BlockSpec(memory_space=None)),
+        hkv=hkv,
+        bq=bq,
+        draft=True,
+        blocks=blocks,
+        interpret=interpret,
+        packed=packed,
+        total=0,
+        rows=rows,
+        scale=scale,
+        layer=layer,
+        kv_offset=kv_offset,
+        page_size=page_size,
+        pages_per_step=pps,
+    )
     return out[:, :n]
 
 
@@ -270,8 +407,9 @@ def paged_attention(
     kv_heads: int,
     kv_dtype,
     scale: float,
-    block_q: int = BLOCK_Q,
-    blocks: TreeAttentionBlocks = DEFAULT_BLOCKS,
+    block_q: int | None = None,
+    blocks: TreeAttentionBlocks | None = None,
+    pages_per_step: int | None = None,
     interpret: bool = False,
 ):
     """Causal attention of ``q [B, T, Hq, D]`` at positions ``q_pos int [B, T]`` over the
@@ -282,34 +420,42 @@ def paged_attention(
     Same semantics as the XLA path (``gdn_jax.models.tree_attention.attend`` over the
     ``MP * S`` gathered keys, zeroed past ``kv_len``) for a query that sees no key too: the mean
     of the row's committed values over ``MP * S`` (0 for a padding row, ``kv_len`` 0).
-    ``T`` is split into blocks of ``block_q`` (a power of two >= 16) queries, one program
-    each; a shorter ``T`` is padded to a power of two >= 16 (decode: 1 -> 16 rows)."""
+
+    Knobs (module docstring; ``None`` picks the default): ``T`` is split into blocks of
+    ``block_q`` queries (a power of two; default ``BLOCK_ROWS / group`` rounded down to a power
+    of two, at most ``T`` rounded up to a power of two), one program per (row, KV head, block)
+    with ``block_q * group`` query rows, padded to a power of two >= 16 (decode at group 8: 8
+    real rows of 16); ``pages_per_step`` pages per loop step (a power of two; default in
+    :func:`_prepare`); ``blocks`` Triton warps and stages (default ``DEFAULT_BLOCKS``)."""
     b, t, hq, d = q.shape
-    packed, pt, mp2 = _prepare(q, arena, table, page_handles, kv_heads, kv_dtype, page_size)
+    packed, bq, rows, pps, pt = _prepare(
+        q, arena, table, page_handles, kv_heads, kv_dtype, page_size, t, block_q, pages_per_step
+    )
     if q_pos.shape != (b, t):
         raise ValueError(f"q_pos: expected int [B, T] = {(b, t)}, got {q_pos.shape}")
-    if block_q < MIN_ROWS or block_q & (block_q - 1):
-        raise ValueError(f"block_q: a power of two >= {MIN_ROWS}, got {block_q}")
-    bq = max(min(_next_pow2(t), block_q), MIN_ROWS)
     tp = -(-t // bq) * bq
     q_p = jnp.pad(q, [(0, 0), (0, tp - t), (0, 0), (0, 0)])
     pos = jnp.pad(q_pos.astype(jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
-    static = dict(scale=scale, layer=layer, kv_offset=kv_offset, page_size=page_size)
-    kernel = _body(q, kv_heads, packed, False, page_handles.shape[1] * page_size, **static)
-    whole = pl.BlockSpec(memory_space=None)
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, k: (i, k, h, 0))
-    out = pl.pallas_call(
-        kernel,
-        grid=(b, hq, tp // bq),
-        in_specs=[
-            whole,
-            pl.BlockSpec((None, mp2), lambda i, h, k: (i, 0)),
-            whole,
-            q_spec,
-            whole,
-            pl.BlockSpec((None, bq), lambda i, h, k: (i, k)),
-        ],
-        **_call_args(q_spec, (b, tp, hq, d), q.dtype, blocks, interpret),
-        name="paged_attention_arena",
-    )(kv_len.astype(jnp.int32), pt, table.astype(jnp.int32), q_p, arena, pos)
+    out = _attention_call(
+        q_p,
+        arena,
+        table,
+        pt,
+        kv_len,
+        (pos,),
+        (pl.BlockSpec(memory_space=None),),
+        hkv=kv_heads,
+        bq=bq,
+        draft=False,
+        blocks=blocks,
+        interpret=interpret,
+        packed=packed,
+        total=page_handles.shape[1] * page_size,
+        rows=rows,
+        scale=scale,
+        layer=layer,
+        kv_offset=kv_offset,
+        page_size=page_size,
+        pages_per_step=pps,
+    )
     return out[:, :t]

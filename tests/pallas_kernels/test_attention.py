@@ -5,7 +5,9 @@
 - ``arena.py``, K/V pages read inside a uint32 arena through the handle table: the tree
   verify's against the dense-pages kernel and its reference; decode's / prefill's (no draft
   tokens, causal) against a float64 reference, its reference and the XLA path
-  (``ArenaCache.attention``'s gather of the pages);
+  (``ArenaCache.attention``'s gather of the pages); the grouped-query tiles, several pages per
+  loop step and bf16 dots at other knob values, the knobs' checks, and the Triton lowering for
+  sm_90 at Qwen3.5 attention dims;
 - ``attention/reference.py`` itself against float64 numpy attention.
 """
 
@@ -391,9 +393,187 @@ def test_paged_route_guard():
     kw = dict(**_PAGED, kv_dtype=np.float32, interpret=True)
     q, lens = q.astype(jnp.float32), jnp.asarray(lens)
     with pytest.raises(ValueError, match="block_q"):
-        paged_attention(q, *parts, lens, jnp.asarray(pos), block_q=8, **kw)
+        paged_attention(q, *parts, lens, jnp.asarray(pos), block_q=12, **kw)
     with pytest.raises(ValueError, match="q_pos"):
         paged_attention(q, *parts, lens, jnp.zeros((1, 2), jnp.int32), **kw)
+
+
+# ------------------------------- grouped-query tiles, several pages per step, bf16 dots
+
+# (case, Hq (group Hq / 2), block_q, pages_per_step, q dtype, cache dtype): decode at group 4
+# (4 real rows of 16: padding rows) and 8; prefill T 20 over blocks of 2 queries (8 real rows
+# of 16) and of 4 (16 rows); steps of 1, 2 (32 keys: lengths 37 and 50 end inside a step) and
+# 8 pages (wider than the 4-page table: padded); bf16 q over a bf16 cache (bf16 dots), f32 q
+# over a bf16 cache (the precise path); None: the defaults
+_GQA_CASES = [
+    ("decode", 8, None, 2, np.float32, np.float32),
+    ("decode", 16, None, None, jnp.bfloat16, jnp.bfloat16),
+    ("decode", 4, None, 1, np.float32, jnp.bfloat16),
+    ("prefill", 8, 2, 2, jnp.bfloat16, jnp.bfloat16),
+    ("prefill", 8, 4, 8, np.float32, np.float32),
+    ("prefill", 16, None, None, jnp.bfloat16, jnp.bfloat16),
+]
+
+
+def _unmap(parts, kv, row, page):
+    """Unmaps ``row``'s logical ``page`` (handle -1: reads as zeros, the XLA path's gather)."""
+    arena, table, handles = parts
+    kv = kv.copy()
+    kv[:, row, page * S : (page + 1) * S] = 0
+    return (arena, table, handles.at[row, page].set(-1)), kv
+
+
+@pytest.mark.parametrize("case, hq, block_q, steps, q_dtype, kv_dtype", _GQA_CASES)
+def test_paged_gqa_tiles_and_page_steps(case, hq, block_q, steps, q_dtype, kv_dtype):
+    """Several query heads per KV head stacked in one tile, several pages per loop step
+    (lengths not a multiple of it), an unmapped page below the length (row 0's second), a row
+    at length 0 and queries that see no key: equal to the float64 reference and the arena
+    reference."""
+    lens, pos_of, t = _CASES[case]
+    parts, kv = _paged_setup(kv_dtype, lens, seed=hq + t)
+    parts, kv = _unmap(parts, kv, 0, 1)
+    q_pos = pos_of(lens, t).astype(np.int32)
+    if case == "decode":
+        q_pos[3] = 0
+    else:
+        q_pos[4, :2] = -1
+    rng = np.random.default_rng(hq)
+    q = jnp.asarray(rng.standard_normal((len(lens), t, hq, D)), q_dtype)
+    rows = (jnp.asarray(lens), jnp.asarray(q_pos))
+    knobs = dict(block_q=block_q, pages_per_step=steps, interpret=True)
+    got = paged_attention(q, *parts, *rows, **_PAGED, kv_dtype=kv_dtype, **knobs)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.all(np.isfinite(got))
+    tol = 1e-5 if q_dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(got, _paged_reference(q, kv, lens, q_pos, 0.25), rtol=tol, atol=tol)
+    assert not got[3].any()  # the row at length 0
+    ref = paged_attention_arena_reference(q, *parts, *rows, **_PAGED, kv_dtype=kv_dtype)
+    np.testing.assert_allclose(got, np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_arena_tree_gqa_tiles_and_page_steps(dtype, tol):
+    """The tree verify at group 4 (two nodes per program: 8 real rows of 16), two pages per
+    step, row 0's second page unmapped below its length: equal to the dense-pages kernel on the
+    same K/V (zeros for the unmapped page) and to the arena reference."""
+    q, dk, dv, mask, lens, (arena, table, handles), (kp, vp, pt) = _setup(dtype, seed=4)
+    handles = handles.copy()
+    handles[0, 1] = -1
+    kp, vp = kp.at[1].set(0), vp.at[1].set(0)  # row 0's page 1 in the dense form
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((B, N, 2 * HQ, D)), dtype)
+    parts = (arena, table, handles)
+    a, t, h = (jnp.asarray(x) for x in parts)
+    args = (q, a, t, h, jnp.asarray(lens), dk, dv, mask)
+    kw = dict(layer=LAYER, kv_offset=OFFSET, page_size=S, kv_dtype=dtype, scale=0.25)
+    got = arena_attention(*args, **kw, block_q=2, pages_per_step=2, interpret=True)
+    want = dense_attention(
+        q, kp, vp, pt, jnp.asarray(lens), dk, dv, mask, scale=0.25, interpret=True
+    )
+    assert got.shape == want.shape and got.dtype == want.dtype
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    ref = tree_attention_arena_reference(*args, **kw)
+    np.testing.assert_allclose(got, np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol)
+
+
+def test_arena_attention_bad_knobs_raise():
+    """``block_q`` and ``pages_per_step``: powers of two >= 1, else a ValueError naming them."""
+    lens = [20]
+    parts, _ = _paged_setup(np.float32, lens, seed=3)
+    q = jnp.ones((1, 1, HQ, D), jnp.float32)
+    rows = (jnp.asarray(lens), jnp.asarray([[19]], jnp.int32))
+    kw = dict(**_PAGED, kv_dtype=np.float32, interpret=True)
+    for bad in (0, 3, -4, 2.0):
+        with pytest.raises(ValueError, match="^pages_per_step: a power of two"):
+            paged_attention(q, *parts, *rows, pages_per_step=bad, **kw)
+        with pytest.raises(ValueError, match="^block_q: a power of two"):
+            paged_attention(q, *parts, *rows, block_q=bad, **kw)
+    tq, dk, dv, mask, tree_lens, tree_parts, _ = _setup(np.float32)
+    for name in ("pages_per_step", "block_q"):
+        with pytest.raises(ValueError, match=f"^{name}: a power of two"):
+            _arena_tree_knob(tq, tree_parts, tree_lens, dk, dv, mask, **{name: 6})
+
+
+def _arena_tree_knob(q, parts, lens, dk, dv, mask, **knobs):
+    arena, table, handles = (jnp.asarray(x) for x in parts)
+    args = (q, arena, table, handles, jnp.asarray(lens), dk, dv, mask)
+    kw = dict(layer=LAYER, kv_offset=OFFSET, page_size=S, kv_dtype=np.float32, scale=0.25)
+    return arena_attention(*args, **kw, **knobs, interpret=True)
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """Lowers Pallas Triton kernels for an H200 (compute capability 9.0) on this machine;
+    yields a function returning ``(name, Triton IR)`` of each kernel a call lowers to."""
+    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+
+    info = gpu_info.GpuInfo(
+        gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0", compute_capability=90
+    )
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def lower(fn, *args):
+        out = []
+
+        def capture(jaxpr, *a, **kw):
+            module = orig(jaxpr, *a, **kw)
+            ir = module.module.operation.get_asm(enable_debug_info=False)
+            out.append((jaxpr.debug_info.func_name, ir))
+            return module
+
+        monkeypatch.setattr(
+            pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", capture
+        )
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        return out
+
+    return lower
+
+
+@pytest.mark.parametrize(
+    "case, t, rows, keys",
+    [
+        ("decode", 1, 16, 128),  # group 8 in one 16-row tile, 8 pages per step
+        ("prefill", 512, 64, 64),  # 8 queries x 8 heads, 4 pages per step
+        ("tree", 64, 64, 64),  # 8 nodes x 8 heads; the draft keys: one 64-node tile
+    ],
+)
+def test_arena_attention_lowers_for_sm90(h200, case, t, rows, keys):
+    """Qwen3.5-35B-A3B attention dims (Hq 16, Hkv 2, D 256, bf16 cache, S 16), default knobs:
+    the kernels lower to Triton IR for sm_90 with ``rows`` query rows, ``keys`` keys per step
+    and bf16 dot operands (the even/odd halves: 128 columns)."""
+    s, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    b, hq, hkv, d, mp = 2, 16, 2, 256, 256
+    pages = (s((8, 1 << 20), jnp.uint32), s((64, 2), i32), s((b, mp), i32), s((b,), i32))
+    kw = dict(layer=1, kv_offset=64, page_size=16, kv_dtype=bf16, scale=d**-0.5)
+    if case == "tree":
+        draft = (s((b, t, hkv, d), bf16), s((b, t, hkv, d), bf16), s((b, t, t), jnp.bool_))
+        fn = lambda *a: arena_attention(*a, **kw)
+        args = (s((b, t, hq, d), bf16), *pages, *draft)
+    else:
+        fn = lambda *a: paged_attention(*a, kv_heads=hkv, **kw)
+        args = (s((b, t, hq, d), bf16), *pages, s((b, t), i32))
+    [(name, ir)] = h200(fn, *args)
+    assert name == ("tree_attention_arena" if case == "tree" else "paged_attention_arena")
+    for a, c in ((128, keys), (keys, 128)):  # q k^T, then p v
+        want = f"tensor<{rows}x{a}xbf16> * tensor<{a}x{c}xbf16> -> tensor<{rows}x{c}xf32>"
+        assert want in ir, want
+
+
+def test_arena_attention_small_head_dim_keeps_f32_dots(h200):
+    """bf16 at ``D = 16`` (8 words a half): the bf16 dots would contract over 8, which the
+    GPU's Triton dot computes wrong (measured on the H200: errors of order 1), so the kernel
+    keeps f32 operands there; from ``D = 32`` on it takes bf16 operands."""
+    s, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    for d, dot in ((16, "xf32> * tensor<8x"), (32, "xbf16> * tensor<16x")):
+        pages = (s((8, 1 << 16), jnp.uint32), s((64, 2), i32), s((2, 8), i32), s((2,), i32))
+        kw = dict(layer=1, kv_offset=64, page_size=16, kv_dtype=bf16, scale=d**-0.5)
+        fn = lambda *a, kw=kw: paged_attention(*a, kv_heads=2, **kw)
+        [(_, ir)] = h200(fn, s((2, 1, 4, d), bf16), *pages, s((2, 1), i32))
+        assert dot in ir, (d, dot)
 
 
 # --------------------------------------------------------------- the reference vs float64
