@@ -26,8 +26,9 @@
 #   moe                 moe: the routed-experts block at M 1-8192 against lax.ragged_dot,
 #                       ragged_dot_mgpu and the floor
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
-#                       decode at B 1/16/64/256, verify N 29/64 at B 16, 4k-token prefill,
-#                       each against its floor; KERNELS (auto), LIMIT (580 s), ARGS (extra)
+#                       decode at B 1/16/64, a 29-node verify at B 16, four 4k-token prompts
+#                       prefilled in chunks of 2048, each against its floor (~330 s); KERNELS
+#                       (auto), LIMIT (580 s), ARGS (replaces those arguments)
 #   arena_copies        arena_copies: whole-arena copies in each arena program, auto and xla
 #   model_step_flags    model_step: Qwen3.5-35B-A3B cut to 8 layers, decode at B 1 and 16 (BATCH)
 #                       and a 29-node verify, kernels profiled, under the engine's launch policy
@@ -149,8 +150,9 @@ step() {
     ;;
   model_step)
     local kernels=${KERNELS:-auto}
+    local margs=${ARGS:---batch 1,16,64 --tree-sizes 29 --prefill-prompts 4 --prefill-chunk 2048 --reps 10}
     TAILN=14 run "${LIMIT:-580}" model_step "h200_$kernels" python3 -m benchmarks.model_step \
-      --kernels "$kernels" ${ARGS:-} --json "$(json model_step "h200_$kernels")"
+      --kernels "$kernels" $margs --json "$(json model_step "h200_$kernels")"
     ;;
   arena_copies)
     for k in auto xla; do
