@@ -92,6 +92,7 @@ def test_model_step_smoke(tmp_path, capsys):
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in doc["rows"])
     d1, d4 = doc["rows"][:2]
     assert d4["floor_bytes"] > d1["floor_bytes"]
+    assert all(d["held_ms"] > 0 and d["pipelined_ms"] > 0 for d in (d1, d4))
     assert "| / floor |" in capsys.readouterr().out
 
 
@@ -151,3 +152,15 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 }
 """
     assert entry_launches(hlo) == dict(launches=6, pallas=1, gemm=2, fusion=1, other=2)
+
+
+def test_dispatch_smoke(tmp_path):
+    """One row per argument count, the per-argument cost against the one-argument program."""
+    from benchmarks import dispatch
+
+    out = tmp_path / "dispatch.json"
+    rows = dispatch.main(["--args", "1,32", "--reps", "5", "--json", str(out)])
+    assert [r["args"] for r in rows] == [1, 32]
+    assert rows[0]["us_per_arg"] is None and rows[1]["us_per_arg"] is not None
+    assert all(r["call_us"] >= r["dispatch_us"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows
