@@ -80,6 +80,7 @@ def run(
     max_num_seqs: int = 8,
     dtype: str = "float32",
     kernels: str = "auto",
+    num_scheduler_steps: int = 1,
     json_path: str | None = None,
     progress: bool = True,
     load_format: str = "auto",
@@ -105,6 +106,7 @@ def run(
         prefill_chunk=64,
         dtype=dtype,
         kernels=kernels,
+        num_scheduler_steps=num_scheduler_steps,
     )
     params = SamplingParams(max_tokens=max_tokens)
     rows = []

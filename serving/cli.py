@@ -116,6 +116,7 @@ def _generate(args) -> None:
         prefill_chunk=args.prefill_chunk,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        num_scheduler_steps=args.num_scheduler_steps,
         load_format=args.load_format,
         **_parallel(args),
     )
@@ -150,6 +151,7 @@ def _serve(args) -> None:
         prefill_chunk=args.prefill_chunk,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        num_scheduler_steps=args.num_scheduler_steps,
         kernels=args.kernels,
         load_format=args.load_format,
         **_parallel(args),
@@ -199,6 +201,7 @@ def _bench(args) -> None:
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
         kernels=args.kernels,
+        num_scheduler_steps=args.num_scheduler_steps,
         json_path=args.json,
         load_format="dummy" if args.config else "auto",
     )
@@ -259,6 +262,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="on a GPU, run only steps of at most this many tokens as CUDA graphs and launch "
         "larger ones kernel by kernel; 0: no graphs (default: every step a graph)",
+    )
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="greedy plain decoding: decode steps per engine step, dispatched back to back with "
+        "the tokens fed on the device (default: %(default)s)",
     )
     p.add_argument(
         "--dtype",
@@ -407,6 +417,13 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=CACHE,
         help="XLA persistent compilation cache directory, so later runs skip compiling "
         "('' = off; default: %(default)s)",
+    )
+    b.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="LLM(num_scheduler_steps=...): greedy plain decoding's decode steps per engine "
+        "step, back to back (the no-speculation row; default: %(default)s)",
     )
     _spec_args(b, bench=True)
     b.set_defaults(func=_bench)

@@ -41,8 +41,10 @@ class Engine:
         drafter=None,
         draft_runner: ModelRunner | ArenaRunner | None = None,
         progress=None,
+        num_scheduler_steps: int = 1,
     ):
         self.runner = runner
+        self.num_scheduler_steps = num_scheduler_steps
         self.sched = scheduler
         self.max_num_seqs = max_num_seqs
         self.buckets = tuple(sorted(batch_buckets))
@@ -148,9 +150,25 @@ class Engine:
 
     # -------------------------------------------------------------------------------- steps
 
+    def _steps_ahead(self) -> int:
+        """Decode steps this engine step runs back to back (:meth:`_decode_ahead`): up to
+        ``num_scheduler_steps`` when every running request is a greedy plain decode, bounded
+        by the fewest tokens a request may still emit and by the room left in its page table;
+        else 1."""
+        k, s = self.num_scheduler_steps, self.sched
+        if k < 2 or self.spec is not None or not s.running:
+            return 1
+        cap = s.pages_per_seq * s.page_size
+        for r in s.running:
+            if r.prefilling or not r.params.greedy:
+                return 1
+            k = min(k, r.params.max_tokens - len(r.output), cap - r.computed)
+        return max(k, 1)
+
     def step(self) -> None:
         s = self.sched
         s.admit(self.max_num_seqs, self.chunk)
+        ahead = self._steps_ahead()
         # reserve this step's tokens, oldest first; newest requests are preempted on OOM. At
         # most max_prefill_rows prefilling requests get a chunk this step (the oldest).
         prefills = []
@@ -164,16 +182,18 @@ class Engine:
                 s.reserve(req, req.computed + max(1, min(todo, self.chunk)))
                 prefills.append(req)
             else:
-                s.reserve(req, req.computed + 1 + self.depth)
+                s.reserve(req, req.computed + max(ahead, 1 + self.depth))
         prefills = [r for r in prefills if r in s.running]
         decodes = [r for r in s.running if not r.prefilling]
         if prefills:
             self._prefill(prefills)
         if decodes:
-            if self.spec is None:
-                self._decode(decodes)
-            else:
+            if self.spec is not None:
                 self._speculate(decodes)
+            elif ahead > 1:
+                self._decode_ahead(decodes, ahead)
+            else:
+                self._decode(decodes)
 
     def _prefill(self, reqs: list[Request]) -> None:
         rows, draft_rows = self._rows(reqs)
@@ -212,6 +232,30 @@ class Engine:
         for i, r in enumerate(reqs):
             r.computed += 1
             self._emit(r, [int(nxt[i])], now)
+
+    def _decode_ahead(self, reqs: list[Request], steps: int) -> None:
+        """``steps`` greedy decode steps dispatched back to back, each fed the previous step's
+        argmax on the device, so the host's work for a step overlaps the device's for the one
+        before; the tokens come to the host once, at the end. A request that stops early
+        (a stop token, or ``max_tokens``) keeps only its tokens up to the stop; the steps
+        after it wrote into its reserved pages, which it releases when it finishes."""
+        (ids, table, lengths), _ = self._rows(reqs)
+        tokens = np.zeros(ids.shape[0], np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i] = r.output[-1]
+        live = (np.arange(ids.shape[0]) < len(reqs)).astype(np.int32)  # padding rows stay at 0
+        out = []
+        for j in range(steps):
+            _, tokens, _ = self.runner.decode(ids, table, lengths + j * live, tokens)
+            out.append(tokens)
+        out = np.stack([np.asarray(t) for t in out])  # [steps, B]
+        now = time.perf_counter()
+        for i, r in enumerate(reqs):
+            for j in range(steps):
+                if r.finished:
+                    break
+                r.computed += 1
+                self._emit(r, [int(out[j, i])], now)
 
     def _speculate_on_device(self, reqs: list[Request]) -> None:
         """One device program: draft, verify, accept, commit (:mod:`serving.spec_device`)."""

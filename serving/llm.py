@@ -201,6 +201,11 @@ class LLM:
         default); a bound runs only steps of at most this many tokens (rows x tokens per row)
         as graphs and launches larger ones kernel by kernel (:mod:`serving.launch`). ``0``: no
         graphs.
+      num_scheduler_steps: plain greedy decoding runs up to this many decode steps per engine
+        step back to back, each fed the previous one's argmax on the device, so the host's
+        work for a step overlaps the device's for the one before (vLLM's name); the tokens
+        reach the host, and the scheduler admits requests, once per engine step. Sampling,
+        speculation and steps with a prefilling request take one step. Default 1.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
@@ -251,6 +256,7 @@ class LLM:
         max_prefill_tokens: int | None = None,
         batch_buckets: Sequence[int] | None = None,
         cuda_graph_max_tokens: int | None = DEFAULT_GRAPH_TOKENS,
+        num_scheduler_steps: int = 1,
         segment_bytes: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
@@ -270,6 +276,7 @@ class LLM:
             ("page_size", page_size),
             ("prefill_chunk", prefill_chunk),
             ("max_prefill_tokens", 1 if max_prefill_tokens is None else max_prefill_tokens),
+            ("num_scheduler_steps", num_scheduler_steps),
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -475,6 +482,7 @@ class LLM:
             spec=speculative,
             drafter=drafter,
             draft_runner=draft_runner,
+            num_scheduler_steps=num_scheduler_steps,
         )
         self.max_model_len = pages_per_seq * page_size
         self._depth = speculative.max_depth if speculative else 0
