@@ -76,7 +76,10 @@ def _conv_xla(x, weight, conv_state, *, activation):
         conv_state = jnp.zeros((b, w - 1, c), x.dtype)
     full = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
     y = ACTIVATIONS[activation](_tap_sum([full[:, j : j + t] for j in range(w)], weight))
-    return y.astype(x.dtype), full[:, t:]
+    # materialized, as the einsum's dot was: fused into its consumers, the same conv compiles
+    # to different roundings in different programs (the arena and pooled engines must agree
+    # bit for bit)
+    return jax.lax.optimization_barrier(y.astype(x.dtype)), full[:, t:]
 
 
 def causal_conv1d_update(
