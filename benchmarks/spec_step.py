@@ -1,7 +1,7 @@
 """One speculative step against one plain decode step, side by side, on the same batch.
 
     python -m benchmarks.spec_step [--batch 1,8] [--tree 4,2,2] [--kernels xla|auto]
-                                   [--reps 20] [--json out.json]
+                                   [--reps 20] [--profile] [--json out.json]
 
 The shipped tiny target/draft pair (``serving/assets/tiny``), draft-model drafting, the draft in
 the target's arena, as ``python -m serving bench`` builds them. For each batch size the engine
@@ -17,7 +17,9 @@ programs run alternately on that batch's handles and lengths, ``--reps`` times e
 
 Each time is a median in ms, blocked on the outputs and the arena. ``spec / decode`` is the
 step's cost in decode steps (tree WY pays when the mean acceptance length exceeds it);
-``verify / spec`` is the share of the target's verify in the step.
+``verify / spec`` is the share of the target's verify in the step. ``--profile`` adds each
+program's device kernels (count per call, GPU busy time, the slowest by name;
+:mod:`benchmarks.kernel_profile`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from jax import numpy as jnp
 
 from benchmarks.common import ints, markdown_table, write_json
+from benchmarks.kernel_profile import profile as profile_kernels
 from serving.bench import ASSETS, stdlib_prompts
 from serving.llm import LLM, load_model
 from serving.params import SamplingParams, SpecConfig
@@ -53,7 +56,9 @@ def _ms(fn) -> float:
     return 1e3 * (time.perf_counter() - t)
 
 
-def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: str) -> dict:
+def measure(
+    batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: str, profile: bool = False
+) -> dict:
     dt = jnp.dtype(dtype)
     model, draft = load_model(ASSETS / "target", dt), load_model(ASSETS / "draft", dt)
     spec = SpecConfig(method="draft_model", draft_model=draft, tree=tree, verify="wy")
@@ -99,6 +104,11 @@ def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: s
         for name, fn in programs.items():
             ms[name].append(_ms(fn))
     out = {name: float(np.median(v)) for name, v in ms.items()}
+    profiles = {}
+    if profile:
+        for name, fn in programs.items():
+            prof = profile_kernels(fn, lambda _: None)
+            profiles[name] = {k: prof.get(k) for k in ("kernels", "busy_ms", "span_ms", "top")}
     return dict(
         batch=batch,
         tree=",".join(map(str, tree)),
@@ -110,6 +120,7 @@ def measure(batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: s
         verify_ms=out["verify"],
         spec_over_decode=out["spec step"] / out["decode"],
         verify_share=out["verify"] / out["spec step"],
+        **({"profiles": profiles} if profile else {}),
     )
 
 
@@ -122,11 +133,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=20, help="timed calls per program (default: 20)")
+    ap.add_argument("--profile", action="store_true", help="profile each program's kernels (GPU)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     if args.reps < 1 or min(args.batch) < 1 or min(args.tree) < 1:
         ap.error("--reps, --batch and --tree must be positive")
-    rows = [measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype) for b in args.batch]
+    rows = [
+        measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype, args.profile)
+        for b in args.batch
+    ]
     cols = [
         ("batch", "batch"),
         ("nodes", "nodes"),
@@ -138,6 +153,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ("verify_share", "verify / spec"),
     ]
     print(markdown_table(rows, cols, digits=3))
+    for row in rows:
+        for name, prof in row.get("profiles", {}).items():
+            print(
+                f"\n{name}, B {row['batch']}: {prof['kernels']} kernels, "
+                f"GPU busy {prof['busy_ms']} ms"
+            )
+            if prof.get("top"):
+                top_cols = [("name", "kernel"), ("per_call", "per call"), ("ms", "ms per call")]
+                print(markdown_table(prof["top"], top_cols, digits=4))
     if args.json:
         write_json(args.json, rows)
     return rows

@@ -2,7 +2,8 @@
 router's logits ``[M, E]``.
 
 Program ``m`` holds row ``m``'s ``E`` logits in registers and picks the ``k`` largest one at a
-time (the largest value, the lowest expert id among equal values, as ``lax.top_k``), then
+time (the largest value, the lowest expert id among equal values, a NaN above every number,
+as ``lax.top_k``: ids stay in ``[0, E)`` whatever the logits), then
 forms their weights in f32: with ``normalize`` the softmax over the ``k`` selected logits (the
 renormalised top-k of ``softmax(logits)``), otherwise their probabilities under the softmax
 over all ``E``. XLA runs the same as a sort over the experts, a slice of its ids and a softmax
@@ -49,11 +50,11 @@ def route_topk(logits, k: int, *, normalize: bool = True, dtype=F32, interpret: 
         top = jnp.max(lg)
         vals = jnp.full((kp,), -jnp.inf, F32)
         ids = jnp.zeros((kp,), jnp.int32)
-        cur = lg
+        cur = jnp.where(jnp.isnan(lg), jnp.inf, lg)  # a NaN logit ranks first, as in top_k
         for j in range(k):
             best = jnp.max(cur)
             idx = jnp.min(jnp.where(cur == best, lane, e))
-            vals = jnp.where(slot == j, best, vals)
+            vals = jnp.where(slot == j, jnp.sum(jnp.where(lane == idx, lg, 0.0)), vals)
             ids = jnp.where(slot == j, idx, ids)
             cur = jnp.where(lane == idx, -jnp.inf, cur)
         p = jnp.where(slot < k, jnp.exp(vals - top), 0.0)

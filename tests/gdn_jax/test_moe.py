@@ -219,6 +219,25 @@ def test_route_topk_matches_float64(impl, m, e, k, norm):
         np.testing.assert_allclose(weights, w64, rtol=2e-6, atol=1e-7)
 
 
+def test_route_topk_nan_logits_keep_ids_in_range():
+    """NaN logits (a diverged hidden state) still give distinct expert ids in ``[0, E)``, the
+    kernel's equal to ``lax.top_k``'s (a NaN ranks above every number), with NaN weights; an
+    out-of-range id would send the expert kernels past the weights."""
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((3, 40)).astype(np.float32)
+    logits[0] = np.nan  # a whole row
+    logits[1, [5, 17]] = np.nan  # two experts of a row
+    x = jnp.asarray(logits)
+    w_x, i_x = route_topk(x, 4, impl="xla")
+    w_p, i_p = route_topk(x, 4, impl="pallas")
+    np.testing.assert_array_equal(i_p, i_x)
+    assert np.all((np.asarray(i_p) >= 0) & (np.asarray(i_p) < 40))
+    assert all(len(set(row)) == 4 for row in np.asarray(i_p).tolist())
+    np.testing.assert_array_equal(np.asarray(i_p)[1, :2], [5, 17])
+    assert np.isnan(np.asarray(w_p)[:2]).all() and np.isfinite(np.asarray(w_p)[2]).all()
+    np.testing.assert_allclose(w_p[2], w_x[2], rtol=2e-6)
+
+
 @pytest.mark.parametrize(
     "args, name",
     [((np.zeros(8, np.float32), 2), "logits"), ((np.zeros((2, 8), np.float32), 9), "k"),
