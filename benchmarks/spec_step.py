@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax import numpy as jnp
 
-from benchmarks.common import ints, markdown_table, write_json
+from benchmarks.common import ints, log, markdown_table, write_json
 from benchmarks.kernel_profile import profile as profile_kernels
 from serving.bench import ASSETS, stdlib_prompts
 from serving.llm import LLM, load_model
@@ -72,6 +72,7 @@ def measure(
         dtype=dtype,
         kernels=kernels,
     )
+    log(f"batch {batch}: engine built; prefilling and compiling")
     engine, runner = llm.engine, llm.engine.runner
     device_spec = engine.device_spec
     capture = _Capture(device_spec)
@@ -96,9 +97,11 @@ def measure(
         "spec step": lambda: block(device_spec(*a, **k)),
         "verify": lambda: block(runner.verify(handles, pages, lengths, tokens, parents)),
     }
-    for fn in programs.values():  # compile and warm
+    for name, fn in programs.items():  # compile and warm
+        t0 = time.perf_counter()
         fn()
         fn()
+        log(f"batch {batch}: {name} compiled and warm ({time.perf_counter() - t0:.1f} s)")
     ms = {name: [] for name in programs}
     for _ in range(reps):
         for name, fn in programs.items():
