@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="also trace each decode and verify step's device kernels (count, busy time, "
         "the slowest by name; benchmarks.kernel_profile)",
     )
+    ap.add_argument(
+        "--profile-top", type=int, default=12, help="kernel names listed per profile (default 12)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
@@ -332,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     def add(row: dict, call=None) -> None:
         row["over_floor"] = row["ms"] / row["floor_ms"]
         if args.profile and call is not None:
-            prof = profile_kernels(call, block)
+            prof = profile_kernels(call, block, top=args.profile_top)
             row.update({k: prof.get(k) for k in ("kernels", "busy_ms", "span_ms")})
             doc.setdefault("profiles", []).append(
                 dict(step=row["step"], batch=row["batch"], **prof)

@@ -23,9 +23,9 @@ A KV unit of the arena is ``[La, 2, S, Hkv, D]`` in the cache dtype
   and the output's even and odd columns are accumulated and stored at stride 2.
 
 Programs and tiles (grouped-query packing). One program per (batch row, KV head ``hk``, query
-block); its query tile stacks the ``group = Hq / Hkv`` query heads that share KV head ``hk``:
-row ``r = i * group + g`` is query ``i`` of the block (``block_q`` queries) in head
-``hk * group + g``. Each K/V tile is thus loaded once for all the heads that read it, and
+block[, key split]); its query tile stacks the ``group = Hq / Hkv`` query heads that share KV
+head ``hk``: row ``r = i * group + g`` is query ``i`` of the block (``block_q`` queries) in
+head ``hk * group + g``. Each K/V tile is thus loaded once for all the heads that read it, and
 decode (one query) has ``group`` real rows. The rows are padded to a power of two ``>= 16``
 (Triton's dots want ``M >= 16``) with copies of the last real row, which store into spare
 slots past the output, dropped. The q rows are gathered from ``[B, T, Hq, D]`` and the output
@@ -38,9 +38,23 @@ per row; the next step's handles and table entries are looked up while the curre
 tiles load. K and V are one masked indexed load each: positions at or past the block's causal
 bound (at most ``kv_len``; a recycled page holds arbitrary bits, NaN patterns included) and
 unmapped pages (handle ``-1``) read as zeros, as the XLA path's gather of them. A zero key
-below a query's limit scores 0 (as XLA's); every other position at or past the limit gets a
-``-inf`` score, so it contributes nothing. The page table is padded with ``-1`` to a power of
-two that is a multiple of ``pages_per_step``.
+below a query's limit scores 0 (as XLA's); every other position at or past the limit gets the
+score ``NEG`` (``-1e30``, finite), so it contributes nothing. The page table is padded with
+``-1`` to a power of two that is a multiple of ``pages_per_step``.
+
+Key splits (:func:`paged_attention`, ``num_splits``): a fourth grid axis splits each program's
+loop steps into contiguous runs of whole steps. A program whose causal bound takes ``n`` steps
+walks, as split ``s``, steps ``s * c`` to ``min((s + 1) * c, n)`` with
+``c = ceil(n / num_splits)`` (none past the last step: a split wholly past ``kv_len`` or the
+block's bound walks nothing), and stores its unnormalised f32 accumulator and its softmax max
+``m`` and sum ``l``; jnp after the kernel (small XLA fusions) merges the splits as the loop
+would: ``m* = max_s m_s``, ``out = sum_s exp(m_s - m*) acc_s / sum_s exp(m_s - m*) l_s``, and
+the uniform softmax where no split saw a key. A masked score is the finite ``NEG``, so a split
+that saw no key weighs ``exp(NEG - m*)``, 0 beside one that did, never ``exp(-inf + inf)``.
+The automatic count serves decode at small batch: a call with one query block per (row, KV
+head) on a grid of ``P < TARGET_PROGRAMS`` programs takes ``ceil(TARGET_PROGRAMS / P)`` splits,
+at most the page table's ``ceil(MP / pages_per_step)`` steps; any other call (prefill, large
+batches) one, the single loop, computed as without the axis.
 
 Dots: with bf16 queries over a bf16 cache and ``D >= 32``, ``q k^T`` takes bf16 operands (the
 even and odd halves are exact bf16 values) with f32 accumulation, and ``p v`` takes ``p``
@@ -80,6 +94,7 @@ BLOCK_ROWS = 64  # query rows (block_q * group) per program: 64 keeps a prefill 
 DECODE_WORDS = 16384  # K tile words per step for a tile of MIN_ROWS rows: decode, 128 keys
 BLOCK_WORDS = 8192  # the same for a larger tile (the accumulator takes registers): 64 keys
 MAX_KEYS = 128  # keys per step at most by default (smaller head dims)
+TARGET_PROGRAMS = 128  # decode's automatic key splits aim at this many programs (132 SMs)
 DEFAULT_BLOCKS = TreeAttentionBlocks(num_warps=8, num_stages=1)
 
 
@@ -121,18 +136,24 @@ def _kernel(
     pages_per_step,
     kv_heads,
     packed,
+    splits=1,
 ):
-    """One program per (batch row, KV head, query block) over ``rows`` stacked query rows
-    (module docstring). ``q_ref`` is ``[B, Tq * Hq * D]`` (``[B, Tq, Hq, D]`` flat per batch
-    row); ``o_ref`` has ``(rows - block_q * group) * D`` elements more per batch row, from
-    ``junk`` on, where the padding rows store. ``draft``: ``refs`` are
+    """One program per (batch row, KV head, query block[, key split]) over ``rows`` stacked
+    query rows (module docstring). ``q_ref`` is ``[B, Tq * Hq * D]`` (``[B, Tq, Hq, D]`` flat
+    per batch row); ``o_ref`` has ``(rows - block_q * group) * D`` elements more per batch row,
+    from ``junk`` on, where the padding rows store. ``draft``: ``refs`` are
     ``(draft_k, draft_v, draft_mask [B, N * N], out)`` and every query sees the committed keys
     ``j < kv_len``, then the draft keys its mask row allows; else ``(q_pos, out)`` and query
     ``t`` sees ``j < min(kv_len, q_pos[t] + 1)``. ``total``: the key count of the XLA path's
     softmax (``MP * S``), for queries that see no key (below). ``fast``: bf16 dot operands
-    (module docstring)."""
+    (module docstring). ``splits > 1`` (no draft): ``refs`` are ``(q_pos, acc, m, l)``, rows
+    ``b * splits + split``; the program walks its split's run of the loop steps and stores the
+    unnormalised f32 accumulator (laid out as ``out``) and the softmax max ``m`` and sum ``l``
+    per query row (one slot per ``D`` elements), which :func:`_combine` merges."""
     if draft:
         dk_ref, dv_ref, mask_ref, o_ref = refs
+    elif splits > 1:
+        qpos_ref, acc_ref, m_ref, l_ref = refs
     else:
         qpos_ref, o_ref = refs
     b, hk, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -209,7 +230,12 @@ def _kernel(
         tuple(jnp.zeros((rows, w), F32) for _ in range(parts)),
     )
     steps = (hi + keys - 1) // keys
-    _, state = jax.lax.fori_loop(0, steps, step, (address(0), state))
+    first_step = 0
+    if splits > 1:  # this split's contiguous run of the steps (empty past the last step)
+        chunk = (steps + splits - 1) // splits
+        first_step = jnp.minimum(pl.program_id(3) * chunk, steps)
+        steps = jnp.minimum(first_step + chunk, steps)
+    _, state = jax.lax.fori_loop(first_step, steps, step, (address(first_step), state))
     if draft:
         cols = [pl.ds(i, w, stride=parts) for i in range(parts)]
         nodes = dk_ref.shape[0]
@@ -220,6 +246,14 @@ def _kernel(
         s = jnp.where(seen, s * scale, NEG)
         state = update(state, s, tuple(dv_ref[:, c].astype(op) for c in cols))
     m, l, accs = state
+    if splits > 1:
+        out_row = b * splits + pl.program_id(3)
+        slot = jax.lax.div(first, head_dim)  # the query row's (t, head) slot
+        m_ref[out_row, slot] = m
+        l_ref[out_row, slot] = l
+        for i, a in enumerate(accs):
+            acc_ref[out_row, first[:, None] + col + i] = a
+        return
     if not draft:
         # A query that sees no key (kv_len 0, or q_pos < 0) kept m = NEG, so every walked
         # position had weight exp(0) = 1 and acc = sum_{j < kv_len} v_j. XLA's softmax over
@@ -285,10 +319,25 @@ def _prepare(
 
 
 def _attention_call(
-    q_p, arena, table, pt, kv_len, extra, extra_specs, *, hkv, bq, draft, blocks, interpret, **kw
+    q_p,
+    arena,
+    table,
+    pt,
+    kv_len,
+    extra,
+    extra_specs,
+    *,
+    hkv,
+    bq,
+    draft,
+    blocks,
+    interpret,
+    splits=1,
+    **kw,
 ):
-    """The ``pallas_call`` on the (batch row, KV head, query block) grid: ``q_p [B, Tq, Hq, D]``
-    with ``Tq`` a multiple of ``bq`` -> the output in the same shape."""
+    """The ``pallas_call`` on the (batch row, KV head, query block) grid, with a fourth axis of
+    ``splits`` key splits when ``splits > 1`` (then :func:`_combine` merges them): ``q_p
+    [B, Tq, Hq, D]`` with ``Tq`` a multiple of ``bq`` -> the output in the same shape."""
     b, tq, hq, d = q_p.shape
     size = tq * hq * d  # output elements per batch row, then the padding rows' spare slots
     spare = (kw["rows"] - bq * (hq // hkv)) * d
@@ -304,22 +353,36 @@ def _attention_call(
         fast=kw["packed"] and q_p.dtype == BF16 and d >= 2 * MIN_ROWS,
         precision=jax.lax.Precision.HIGHEST if q_p.dtype == F32 else None,
         kv_heads=hkv,
+        splits=splits,
         **kw,
     )
     whole = pl.BlockSpec(memory_space=None)
     blocks = DEFAULT_BLOCKS if blocks is None else blocks
+    call = _call_args(whole, (b, size + spare), q_p.dtype, blocks, interpret)
+    grid = (b, hkv, tq // bq)
+    if splits > 1:
+        grid += (splits,)
+        slots = (size + spare) // d
+        call.update(
+            out_specs=(whole, whole, whole),
+            out_shape=(
+                jax.ShapeDtypeStruct((b * splits, size + spare), F32),
+                jax.ShapeDtypeStruct((b * splits, slots), F32),
+                jax.ShapeDtypeStruct((b * splits, slots), F32),
+            ),
+        )
     out = pl.pallas_call(
         kernel,
-        grid=(b, hkv, tq // bq),
+        grid=grid,
         in_specs=[
             whole,
-            pl.BlockSpec((None, pt.shape[1]), lambda i, h, k: (i, 0)),
+            pl.BlockSpec((None, pt.shape[1]), lambda i, *_: (i, 0)),
             whole,
             whole,
             whole,
             *extra_specs,
         ],
-        **_call_args(whole, (b, size + spare), q_p.dtype, blocks, interpret),
+        **call,
         name="tree_attention_arena" if draft else "paged_attention_arena",
     )(
         kv_len.astype(jnp.int32),
@@ -329,7 +392,45 @@ def _attention_call(
         arena,
         *extra,
     )
+    if splits > 1:
+        return _combine(*out, splits=splits, shape=q_p.shape, total=kw["total"], dtype=q_p.dtype)
     return (out[:, :size] if spare else out).reshape(b, tq, hq, d)
+
+
+def _combine(acc, m, l, *, splits, shape, total, dtype):
+    """Merges the key splits' partial softmaxes (``acc [B * splits, >= Tq * Hq * D]``, ``m, l
+    [B * splits, >= Tq * Hq]`` f32, the padding rows' slots last) into the output ``shape`` in
+    ``dtype``: with ``m* = max_s m_s`` and ``w_s = exp(m_s - m*)``, ``sum_s w_s acc_s /
+    sum_s w_s l_s``, the kernel's normalisation otherwise (``l = total`` where ``m* = NEG``).
+
+    ``NEG`` is finite, so a split that saw no key (``m_s = NEG``; ``l_s = 0`` and ``acc_s = 0``
+    when it walked nothing) gets the weight ``exp(NEG - m*)``: 0 beside a split that saw one,
+    1 where no split did; never ``exp(-inf + inf)``. In the latter case ``acc`` sums the
+    walked values as in the one-program loop."""
+    b, tq, hq, d = shape
+    n = tq * hq
+    acc = acc.reshape(b, splits, -1)[:, :, : n * d].reshape(b, splits, n, d)
+    m, l = (x.reshape(b, splits, -1)[:, :, :n] for x in (m, l))
+    m_max = jnp.max(m, axis=1)  # [B, n]
+    w = jnp.exp(m - m_max[:, None])
+    l = jnp.where(m_max == NEG, float(total), jnp.sum(w * l, axis=1))
+    acc = jnp.sum(w[..., None] * acc, axis=1)
+    inv = 1.0 / jnp.maximum(l, 1e-30)[..., None]
+    return (acc * inv).astype(dtype).reshape(shape)
+
+
+def _num_splits(num_splits, *, programs: int, query_blocks: int, table_steps: int) -> int:
+    """Key splits per (row, KV head, query block): ``num_splits`` checked, or for ``None``
+    the automatic choice (module docstring): 1 with several query blocks or at least
+    ``TARGET_PROGRAMS`` programs, else ``ceil(TARGET_PROGRAMS / programs)`` capped by the
+    page table's loop steps ``table_steps``."""
+    if num_splits is None:
+        if query_blocks > 1 or programs >= TARGET_PROGRAMS:
+            return 1
+        return max(min(-(-TARGET_PROGRAMS // programs), table_steps), 1)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits: an int >= 1 (or None: automatic), got {num_splits!r}")
+    return num_splits
 
 
 def tree_attention(
@@ -410,6 +511,7 @@ def paged_attention(
     block_q: int | None = None,
     blocks: TreeAttentionBlocks | None = None,
     pages_per_step: int | None = None,
+    num_splits: int | None = None,
     interpret: bool = False,
 ):
     """Causal attention of ``q [B, T, Hq, D]`` at positions ``q_pos int [B, T]`` over the
@@ -426,7 +528,10 @@ def paged_attention(
     of two, at most ``T`` rounded up to a power of two), one program per (row, KV head, block)
     with ``block_q * group`` query rows, padded to a power of two >= 16 (decode at group 8: 8
     real rows of 16); ``pages_per_step`` pages per loop step (a power of two; default in
-    :func:`_prepare`); ``blocks`` Triton warps and stages (default ``DEFAULT_BLOCKS``)."""
+    :func:`_prepare`); ``num_splits`` key splits per program's keys (an int >= 1, merged
+    after the kernel; default automatic, in :func:`_num_splits`: more than 1 only for a single
+    query block on a grid under ``TARGET_PROGRAMS`` programs, decode at small batch); ``blocks``
+    Triton warps and stages (default ``DEFAULT_BLOCKS``)."""
     b, t, hq, d = q.shape
     packed, bq, rows, pps, pt = _prepare(
         q, arena, table, page_handles, kv_heads, kv_dtype, page_size, t, block_q, pages_per_step
@@ -436,6 +541,12 @@ def paged_attention(
     tp = -(-t // bq) * bq
     q_p = jnp.pad(q, [(0, 0), (0, tp - t), (0, 0), (0, 0)])
     pos = jnp.pad(q_pos.astype(jnp.int32), [(0, 0), (0, tp - t)], mode="edge")
+    splits = _num_splits(
+        num_splits,
+        programs=b * kv_heads * (tp // bq),
+        query_blocks=tp // bq,
+        table_steps=-(-page_handles.shape[1] // pps),
+    )
     out = _attention_call(
         q_p,
         arena,
@@ -449,6 +560,7 @@ def paged_attention(
         draft=False,
         blocks=blocks,
         interpret=interpret,
+        splits=splits,
         packed=packed,
         total=page_handles.shape[1] * page_size,
         rows=rows,

@@ -6,7 +6,8 @@
   verify's against the dense-pages kernel and its reference; decode's / prefill's (no draft
   tokens, causal) against a float64 reference, its reference and the XLA path
   (``ArenaCache.attention``'s gather of the pages); the grouped-query tiles, several pages per
-  loop step and bf16 dots at other knob values, the knobs' checks, and the Triton lowering for
+  loop step and bf16 dots at other knob values, decode's key splits (against one split and
+  the float64 reference; the automatic count), the knobs' checks, and the Triton lowering for
   sm_90 at Qwen3.5 attention dims;
 - ``attention/reference.py`` itself against float64 numpy attention.
 """
@@ -452,6 +453,96 @@ def test_paged_gqa_tiles_and_page_steps(case, hq, block_q, steps, q_dtype, kv_dt
     np.testing.assert_allclose(got, np.asarray(ref.astype(jnp.float32)), rtol=tol, atol=tol)
 
 
+def _grid(fn, *args):
+    """The grid of the one ``pallas_call`` that ``fn(*args)`` traces to."""
+    [eqn] = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return tuple(eqn.params["grid_mapping"].grid)
+
+
+# (case, num_splits, block_q, q dtype = cache dtype), one page per step (16 keys: the 4-page
+# table has 4 steps; rows of 3, 1, 1, 0 and 4 steps at decode): 3 splits take row 0's steps
+# 1 + 1 + 1, row 4's 2 + 2 + 0 and row 1's 1 + 0 + 0 (splits past the length), 8 are more
+# splits than any row has steps; prefill T 20 in blocks of 4 queries, whose first blocks'
+# causal bounds leave the later splits empty, queries that see no key (the uniform softmax
+# over the splits' walked values)
+_SPLIT_CASES = [
+    ("decode", 3, None, np.float32),
+    ("decode", 8, None, jnp.bfloat16),
+    ("prefill", 3, 4, np.float32),
+]
+
+
+@pytest.mark.parametrize("case, splits, block_q, dtype", _SPLIT_CASES)
+def test_paged_key_splits_match_one_split_and_f64(case, splits, block_q, dtype):
+    """``num_splits`` key splits per program, merged after the kernel (group 4, ragged
+    lengths, an unmapped page below row 0's length, a row at length 0, splits wholly past a
+    row's length or a block's causal bound): the grid has the split axis, and the result equals
+    the one-split kernel and the float64 reference."""
+    lens, pos_of, t = _CASES[case]
+    parts, kv = _paged_setup(dtype, lens, seed=splits + t)
+    parts, kv = _unmap(parts, kv, 0, 1)
+    q_pos = pos_of(lens, t).astype(np.int32)
+    if case == "decode":
+        q_pos[3] = 0
+    else:
+        q_pos[4, :2] = -1
+    q = jnp.asarray(np.random.default_rng(splits).standard_normal((len(lens), t, 8, D)), dtype)
+    rows = (jnp.asarray(lens), jnp.asarray(q_pos))
+    kw = dict(**_PAGED, kv_dtype=dtype, block_q=block_q, pages_per_step=1, interpret=True)
+
+    def run(n):
+        return paged_attention(q, *parts, *rows, **kw, num_splits=n)
+
+    assert len(_grid(lambda: run(1))) == 3
+    assert _grid(lambda: run(splits))[3] == splits
+    got, one = run(splits), run(1)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    got, one = (np.asarray(x.astype(jnp.float32)) for x in (got, one))
+    assert np.all(np.isfinite(got))
+    assert not got[3].any()  # the row at length 0
+    tol = 1e-6 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(got, one, rtol=tol, atol=tol)
+    want = _paged_reference(q, kv, lens, q_pos, 0.25)
+    np.testing.assert_allclose(got, want, rtol=max(tol, 1e-5), atol=max(tol, 1e-5))
+
+
+def test_paged_auto_splits():
+    """``num_splits=None`` splits the keys of a single query block on a small grid, as many
+    splits as fill ``TARGET_PROGRAMS`` programs, at most the page table's loop steps: B 1
+    decode takes 4 splits of the 4-step table (equal to one split and the float64 reference);
+    at Qwen3.5 attention dims B 1 and 16 decode split, B 64 decode and a prefill chunk do
+    not."""
+    lens = [50]
+    parts, kv = _paged_setup(np.float32, lens, seed=7)
+    q = jnp.asarray(np.random.default_rng(7).standard_normal((1, 1, HQ, D)), jnp.float32)
+    q_pos = np.array([[49]], np.int32)
+    rows = (jnp.asarray(lens), jnp.asarray(q_pos))
+    kw = dict(**_PAGED, kv_dtype=np.float32, pages_per_step=1, interpret=True)
+    auto = lambda: paged_attention(q, *parts, *rows, **kw)
+    assert _grid(auto) == (1, HKV, 1, MP)
+    got = np.asarray(auto())
+    np.testing.assert_allclose(
+        got, np.asarray(paged_attention(q, *parts, *rows, **kw, num_splits=1)), 1e-6, 1e-6
+    )
+    want = _paged_reference(q, kv, lens, q_pos, 0.25)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    s, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    qwen = dict(layer=0, kv_offset=0, page_size=16, kv_heads=2, kv_dtype=bf16, scale=0.0625)
+
+    def grid(b, t, mp):
+        args = (s((b, t, 16, 256), bf16), s((8, 1 << 20), jnp.uint32), s((64, 2), i32))
+        args += (s((b, mp), i32), s((b,), i32), s((b, t), i32))
+        return _grid(lambda *a: paged_attention(*a, **qwen), *args)
+
+    # decode steps of 8 pages (128 keys): a 32-page table has 4 steps, a 256-page one 32
+    assert grid(1, 1, 32) == (1, 2, 1, 4)
+    assert grid(1, 1, 256) == (1, 2, 1, 32)
+    assert grid(16, 1, 256) == (16, 2, 1, 4)
+    assert grid(64, 1, 256) == (64, 2, 1)
+    assert grid(1, 512, 256) == (1, 2, 64)
+
+
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-6), (jnp.bfloat16, 1e-2)])
 def test_arena_tree_gqa_tiles_and_page_steps(dtype, tol):
     """The tree verify at group 4 (two nodes per program: 8 real rows of 16), two pages per
@@ -479,7 +570,8 @@ def test_arena_tree_gqa_tiles_and_page_steps(dtype, tol):
 
 
 def test_arena_attention_bad_knobs_raise():
-    """``block_q`` and ``pages_per_step``: powers of two >= 1, else a ValueError naming them."""
+    """``block_q`` and ``pages_per_step``: powers of two >= 1, ``num_splits`` an int >= 1,
+    else a ValueError naming them."""
     lens = [20]
     parts, _ = _paged_setup(np.float32, lens, seed=3)
     q = jnp.ones((1, 1, HQ, D), jnp.float32)
@@ -490,6 +582,9 @@ def test_arena_attention_bad_knobs_raise():
             paged_attention(q, *parts, *rows, pages_per_step=bad, **kw)
         with pytest.raises(ValueError, match="^block_q: a power of two"):
             paged_attention(q, *parts, *rows, block_q=bad, **kw)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="^num_splits: an int >= 1"):
+            paged_attention(q, *parts, *rows, num_splits=bad, **kw)
     tq, dk, dv, mask, tree_lens, tree_parts, _ = _setup(np.float32)
     for name in ("pages_per_step", "block_q"):
         with pytest.raises(ValueError, match=f"^{name}: a power of two"):
@@ -504,17 +599,18 @@ def _arena_tree_knob(q, parts, lens, dk, dv, mask, **knobs):
 
 
 @pytest.mark.parametrize(
-    "case, t, rows, keys",
+    "case, t, rows, keys, splits",
     [
-        ("decode", 1, 16, 128),  # group 8 in one 16-row tile, 8 pages per step
-        ("prefill", 512, 64, 64),  # 8 queries x 8 heads, 4 pages per step
-        ("tree", 64, 64, 64),  # 8 nodes x 8 heads; the draft keys: one 64-node tile
+        ("decode", 1, 16, 128, None),  # group 8 in one 16-row tile, 8 pages per step; split
+        ("decode", 1, 16, 128, 1),  # the same in one program per row and KV head
+        ("prefill", 512, 64, 64, None),  # 8 queries x 8 heads, 4 pages per step
+        ("tree", 64, 64, 64, None),  # 8 nodes x 8 heads; the draft keys: one 64-node tile
     ],
 )
-def test_arena_attention_lowers_for_sm90(h200, case, t, rows, keys):
-    """Qwen3.5-35B-A3B attention dims (Hq 16, Hkv 2, D 256, bf16 cache, S 16), default knobs:
-    the kernels lower to Triton IR for sm_90 with ``rows`` query rows, ``keys`` keys per step
-    and bf16 dot operands (the even/odd halves: 128 columns)."""
+def test_arena_attention_lowers_for_sm90(h200, case, t, rows, keys, splits):
+    """Qwen3.5-35B-A3B attention dims (Hq 16, Hkv 2, D 256, bf16 cache, S 16), default knobs
+    (decode also in one split): the kernels lower to Triton IR for sm_90 with ``rows`` query
+    rows, ``keys`` keys per step and bf16 dot operands (the even/odd halves: 128 columns)."""
     s, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
     b, hq, hkv, d, mp = 2, 16, 2, 256, 256
     pages = (s((8, 1 << 20), jnp.uint32), s((64, 2), i32), s((b, mp), i32), s((b,), i32))
@@ -524,8 +620,10 @@ def test_arena_attention_lowers_for_sm90(h200, case, t, rows, keys):
         fn = lambda *a: arena_attention(*a, **kw)
         args = (s((b, t, hq, d), bf16), *pages, *draft)
     else:
-        fn = lambda *a: paged_attention(*a, kv_heads=hkv, **kw)
+        fn = lambda *a: paged_attention(*a, kv_heads=hkv, num_splits=splits, **kw)
         args = (s((b, t, hq, d), bf16), *pages, s((b, t), i32))
+        grid = _grid(fn, *args)
+        assert len(grid) == 3 + (case == "decode" and splits is None), grid
     [(name, ir)] = h200(fn, *args)
     assert name == ("tree_attention_arena" if case == "tree" else "paged_attention_arena")
     for a, c in ((128, keys), (keys, 128)):  # q k^T, then p v
@@ -536,14 +634,17 @@ def test_arena_attention_lowers_for_sm90(h200, case, t, rows, keys):
 def test_arena_attention_small_head_dim_keeps_f32_dots(h200):
     """bf16 at ``D = 16`` (8 words a half): the bf16 dots would contract over 8, which the
     GPU's Triton dot computes wrong (measured on the H200: errors of order 1), so the kernel
-    keeps f32 operands there; from ``D = 32`` on it takes bf16 operands."""
+    keeps f32 operands there; from ``D = 32`` on it takes bf16 operands; in one key split and
+    in two."""
     s, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
-    for d, dot in ((16, "xf32> * tensor<8x"), (32, "xbf16> * tensor<16x")):
-        pages = (s((8, 1 << 16), jnp.uint32), s((64, 2), i32), s((2, 8), i32), s((2,), i32))
-        kw = dict(layer=1, kv_offset=64, page_size=16, kv_dtype=bf16, scale=d**-0.5)
-        fn = lambda *a, kw=kw: paged_attention(*a, kv_heads=2, **kw)
-        [(_, ir)] = h200(fn, s((2, 1, 4, d), bf16), *pages, s((2, 1), i32))
-        assert dot in ir, (d, dot)
+    for splits in (1, 2):
+        for d, dot in ((16, "xf32> * tensor<8x"), (32, "xbf16> * tensor<16x")):
+            pages = (s((8, 1 << 16), jnp.uint32), s((64, 2), i32), s((2, 8), i32), s((2,), i32))
+            kw = dict(layer=1, kv_offset=64, page_size=16, kv_dtype=bf16, scale=d**-0.5)
+            kw.update(kv_heads=2, num_splits=splits)
+            fn = lambda *a, kw=kw: paged_attention(*a, **kw)
+            [(_, ir)] = h200(fn, s((2, 1, 4, d), bf16), *pages, s((2, 1), i32))
+            assert dot in ir, (d, dot, splits)
 
 
 # --------------------------------------------------------------- the reference vs float64
