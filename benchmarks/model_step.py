@@ -4,7 +4,8 @@
                                     [--batch 1,16,64,256] [--context 512]
                                     [--tree-sizes 29,64] [--verify-batch 16]
                                     [--prefill-len 4096] [--prefill-prompts 4]
-                                    [--kernels auto] [--reps 20] [--json out.json]
+                                    [--kernels auto] [--routing balanced|model]
+                                    [--reps 20] [--json out.json]
     python -m benchmarks.model_step --smoke          # tiny dims, CPU, seconds
 
 The model (random weights, built on the device in ``--dtype``) is served by the engine
@@ -20,6 +21,12 @@ the engine itself prefilled:
   ``LLM.generate`` (one token each, the prompts' rows a batch bucket of their own), in tokens
   per second; and ``prefill step``: the engine's prefill program alone on the step of that run
   with the most rows (its live tokens over its time).
+
+The MoE layers route by ``--routing``: ``balanced`` by default (:func:`gdn_jax.moe.balanced_route`:
+each row's experts drawn as under uniform routing, the router's matmul and weights kept),
+because random weights route most rows to a few experts once the context averages dominate the
+residual stream, so the expert kernels would read fewer bytes than a served model's do (and a
+step could run under its floor); ``model`` takes the random router's own top-k.
 
 Every row has its floor: the bytes the step must move (every dense weight, the LM head, the
 expected distinct experts under uniform routing, the embedding rows (the MTP head, unused by
@@ -56,6 +63,7 @@ from benchmarks.kernel_profile import profile as profile_kernels  # noqa: E402
 from benchmarks.layers import SMOKE, random_parents  # noqa: E402
 from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
 from gdn_jax.models.config import FULL  # noqa: E402
+from gdn_jax.models.model import set_moe_routing  # noqa: E402
 from serving.llm import LLM, load_model  # noqa: E402
 from serving.params import SamplingParams  # noqa: E402
 
@@ -254,6 +262,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--profile-top", type=int, default=12, help="kernel names listed per profile (default 12)"
     )
+    ap.add_argument(
+        "--routing",
+        default="balanced",
+        choices=["balanced", "model"],
+        help="how the MoE layers pick experts: balanced (default; rows spread over the experts "
+        "as under uniform routing, which the floors assume: gdn_jax.moe.balanced_route) or "
+        "model (the random router's own top-k, which sends most rows to a few experts)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
@@ -274,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
     model = load_model(cfg, dtype)  # on the device; large models layer by layer
+    set_moe_routing(model, args.routing)
     jax.block_until_ready(nnx.state(model))
     mc = model.config
     w = weight_bytes(model, mc)

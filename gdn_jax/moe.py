@@ -157,6 +157,42 @@ def route_topk(
     return _route_xla(logits, k, normalize, jnp.dtype(dtype))
 
 
+def balanced_route(
+    logits: Float[Array, "M E"], k: int, *, normalize: bool = True, dtype=jnp.float32
+) -> tuple[Float[Array, "M k"], Int[Array, "M k"]]:
+    """A benchmark's stand-in for :func:`route_topk` that spreads rows over the experts as a
+    trained router does, whatever the logits: row ``m`` takes the ``k`` experts
+    ``r, r + E/k, r + 2E/k, ...`` of one residue class ``r = hash(m) mod E/k`` (murmur3's
+    finaliser of the row index), so a row's ``k`` experts are distinct and rows draw
+    their classes independently, touching ``E (1 - (1 - k/E)^M)`` experts in expectation, as
+    uniform routing would. The weights are the router's own, formed from ``logits`` at those
+    ids as :func:`route_topk` forms them (the softmax of the ``k`` when ``normalize``, else
+    their probabilities under the softmax over all ``E``). ``E`` must be a multiple of ``k``.
+
+    Random weights route most tokens to a few experts once the residual stream is dominated
+    by context averages, so a benchmark with them reads fewer expert bytes than a served
+    model; this keeps the router's matmul and the expert kernels' work realistic."""
+    (logits,) = as_arrays(logits)
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
+    m, e = logits.shape
+    if not isinstance(k, int) or not 1 <= k <= e or e % k:
+        raise ValueError(f"k: must be an int in [1, E = {e}] dividing E, got {k!r}")
+    classes = e // k
+    h = jnp.arange(1, m + 1, dtype=jnp.uint32)  # murmur3's finaliser of the row index
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    r = (h ^ (h >> 16)) % jnp.uint32(classes)
+    ids = (r[:, None] + classes * jnp.arange(k, dtype=jnp.uint32)[None, :]).astype(jnp.int32)
+    lg = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(lg, ids, axis=1)
+    if normalize:
+        w = jax.nn.softmax(picked, axis=-1)
+    else:
+        w = jnp.exp(picked - jax.nn.logsumexp(lg, axis=-1, keepdims=True))
+    return w.astype(dtype), ids
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _route_xla(logits, k: int, normalize: bool, dtype):
     logits = logits.astype(jnp.float32)

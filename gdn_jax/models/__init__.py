@@ -5,7 +5,7 @@ from gdn_jax.models.cache_protocol import StepCache
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.create import abstract_model, init_random
 from gdn_jax.models.loading import CheckpointError, from_pretrained
-from gdn_jax.models.model import HybridLM, param_count
+from gdn_jax.models.model import HybridLM, param_count, set_moe_routing
 
 __all__ = [
     "CheckpointError",
@@ -16,4 +16,5 @@ __all__ = [
     "from_pretrained",
     "init_random",
     "param_count",
+    "set_moe_routing",
 ]

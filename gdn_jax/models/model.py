@@ -84,3 +84,17 @@ def set_kernel_impl(model: nnx.Module, impl: str) -> None:
     for _, module in nnx.iter_graph(model):
         if isinstance(module, GatedDeltaNet | SparseMoE):
             module.impl = impl
+
+
+def set_moe_routing(model: nnx.Module, routing: str) -> None:
+    """Sets how every MoE layer of ``model`` picks its experts: ``"model"`` (the router's
+    top-k) or ``"balanced"`` (:func:`gdn_jax.moe.balanced_route`: the rows spread over the
+    experts as under uniform routing, the router's own weights; for benchmarks of random
+    weights, whose routing collapses onto a few experts)."""
+    from gdn_jax.models.moe import SparseMoE
+
+    if routing not in ("model", "balanced"):
+        raise ValueError(f"routing: must be 'model' or 'balanced', got {routing!r}")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, SparseMoE):
+            module.routing = routing

@@ -16,7 +16,7 @@ from flax import nnx
 
 from gdn_jax.models.linear import Linear, normal_init
 from gdn_jax.models.mlp import MLP
-from gdn_jax.moe import route_topk, routed_experts
+from gdn_jax.moe import balanced_route, route_topk, routed_experts
 
 
 class SparseMoE(nnx.Module):
@@ -43,6 +43,9 @@ class SparseMoE(nnx.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.impl = impl  # routed_experts' impl: "auto" | "xla" | "pallas"
+        # "model": the router's top-k; "balanced": gdn_jax.moe.balanced_route (benchmarks of
+        # random weights: set_moe_routing)
+        self.routing = "model"
         self.parallel = None  # tensor / expert parallel: gdn_jax.sharding.MoEParallel
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -50,6 +53,8 @@ class SparseMoE(nnx.Module):
         (:func:`gdn_jax.moe.route_topk` on the router's logits, in ``impl``: with
         ``norm_topk_prob`` the softmax of the top-k logits, never the full softmax)."""
         raw = self.gate(x)
+        if self.routing == "balanced":
+            return balanced_route(raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype)
         return route_topk(
             raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype, impl=self.impl
         )

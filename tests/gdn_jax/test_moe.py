@@ -16,7 +16,8 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn_jax import route_topk, routed_experts
+from gdn_jax import balanced_route, route_topk, routed_experts
+from gdn_jax.models import set_moe_routing
 from gdn_jax.models.moe import SparseMoE
 
 E, H, I, K = 6, 16, 32, 3  # experts, hidden, intermediate, experts per token
@@ -340,3 +341,62 @@ def test_pallas_rejects_shapes_before_launch():
         routed_experts(x, weights, experts, gate, up, down, impl="pallas")
     out = routed_experts(x, weights, experts, gate, up, down, impl="auto")  # XLA on CPU
     chex.assert_shape(out, (2, 24))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_balanced_route_spreads_rows_like_uniform_routing(norm):
+    """``balanced_route``: ``k`` distinct in-range ids per row, whatever the logits (here every
+    row's logits equal, which the router's top-k would send to the same ``k`` experts); over
+    ``M`` rows about ``E (1 - (1 - k/E)^M)`` experts touched, as uniform routing; the weights
+    are ``route_topk``'s rule applied to the logits at those ids, against float64."""
+    e, k = 256, 8
+    rng = np.random.default_rng(3)
+    one = rng.standard_normal(e).astype(np.float32) * 2.0
+    for m in (1, 16, 64, 256):
+        logits = jnp.asarray(np.broadcast_to(one, (m, e)))
+        w, ids = jax.jit(functools.partial(balanced_route, k=k, normalize=norm))(logits)
+        chex.assert_shape([w, ids], (m, k))
+        chex.assert_type([w, ids], [jnp.float32, jnp.int32])
+        ids = np.asarray(ids)
+        assert ids.min() >= 0 and ids.max() < e
+        assert all(len(set(r)) == k for r in ids.tolist())
+        expect = e * (1 - (1 - k / e) ** m)
+        assert abs(len(np.unique(ids)) - expect) <= 0.15 * expect + k, (m, len(np.unique(ids)))
+        picked = np.take_along_axis(np.asarray(logits, np.float64), ids, axis=1)
+        if norm:
+            w64 = np.exp(picked - picked.max(1, keepdims=True))
+            w64 /= w64.sum(1, keepdims=True)
+        else:
+            full = np.asarray(logits, np.float64)
+            w64 = np.exp(picked - full.max(1, keepdims=True))
+            w64 /= np.exp(full - full.max(1, keepdims=True)).sum(1, keepdims=True)
+        np.testing.assert_allclose(w, w64, rtol=2e-6, atol=1e-7)
+    # the router's own top-k puts all these rows on one set of k experts
+    assert len(np.unique(np.asarray(route_topk(logits, k, impl="xla")[1]))) == k
+
+
+def test_balanced_route_bad_inputs_raise():
+    with pytest.raises(ValueError, match="^k"):
+        balanced_route(np.zeros((2, 10), np.float32), 4)  # 4 does not divide 10
+    with pytest.raises(ValueError, match="^logits"):
+        balanced_route(np.zeros(8, np.float32), 2)
+
+
+def test_set_moe_routing_switches_the_block():
+    """``set_moe_routing(model, "balanced")`` makes the block route by ``balanced_route`` (the
+    block's output then equals the routed experts on those ids plus the shared expert), and
+    ``"model"`` restores the router's top-k; other values raise."""
+    moe = tiny_moe(jnp.float32, seed=4)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(5, H)), jnp.float32)
+    before = moe(x)
+    set_moe_routing(moe, "balanced")
+    w, ids = moe.route(x)
+    want_w, want_ids = balanced_route(moe.gate(x), K, normalize=True, dtype=jnp.float32)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(w, want_w)
+    shared = jax.nn.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+    np.testing.assert_allclose(moe(x), moe.routed(x, w, ids) + shared, rtol=1e-6, atol=1e-6)
+    set_moe_routing(moe, "model")
+    np.testing.assert_array_equal(moe(x), before)
+    with pytest.raises(ValueError, match="^routing"):
+        set_moe_routing(moe, "uniform")
