@@ -35,6 +35,8 @@
 #                       (every step a CUDA graph; its decode HLO packed into hlo_8l.tgz), graphs
 #                       up to 8 tokens only, and none (GRAPHS picks; 16 GB arena)
 #   dispatch            dispatch: one jitted call's host cost against its number of arguments
+#   attention_splits    attention_splits: the paged attention kernel at decode, key splits against
+#                       one split, accuracy against float64 first (B 1/16/64, context 512/4096)
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
@@ -177,6 +179,10 @@ step() {
         --json "$(json model_step "h200_8l_graphs_$name")"
     done
     [ -d "$dump" ] && tar czf "$OUT/model_step/hlo_8l.tgz" -C "$dump" . && rm -rf "$dump"
+    ;;
+  attention_splits)
+    TAILN=24 run 400 attention_splits h200 python3 -m benchmarks.attention_splits \
+      --batch 1 16 64 --context 512 4096 --reps 20 --json "$(json attention_splits h200)"
     ;;
   dispatch)
     TAILN=10 run 200 dispatch h200 python3 -m benchmarks.dispatch --json "$(json dispatch h200)"

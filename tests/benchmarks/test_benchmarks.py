@@ -164,3 +164,18 @@ def test_dispatch_smoke(tmp_path):
     assert rows[0]["us_per_arg"] is None and rows[1]["us_per_arg"] is not None
     assert all(r["call_us"] >= r["dispatch_us"] > 0 for r in rows)
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_attention_splits_smoke(tmp_path):
+    """The key-split benchmark's rows: the automatic count splits a batch-1 decode, and its
+    output agrees with one split and with float64 (interpret mode)."""
+    from benchmarks import attention_splits
+
+    out = tmp_path / "splits.json"
+    rows = attention_splits.main(
+        ["--smoke", "--batch", "1", "--context", "256", "--json", str(out)]
+    )
+    assert json.loads(out.read_text())["rows"] == rows
+    [row] = rows
+    assert row["splits"] > 1 and row["us_auto"] > 0
+    assert row["err_auto"] < 1e-2 and row["diff"] < 1e-2
