@@ -38,7 +38,7 @@ outputs released first as the engine releases them (decode rows also time the ca
 held: ``held_ms``, the CUDA graph then re-recorded before each run; and ``pipelined_ms``: steps
 run back to back, each fed the previous one's argmax on the device and dispatched before it
 ends, the host's work overlapping the device's as an engine with asynchronous scheduling
-would).
+would). Each decode row records whether the step's logits are all ``finite``.
 """
 
 from __future__ import annotations
@@ -197,6 +197,12 @@ def pipelined_ms(runner, handles, pages, lengths, last, steps: int, block) -> fl
         tok = runner.decode(handles, pages, lengths, tok)[1]
     block(tok)
     return 1e3 * (time.perf_counter() - t) / steps
+
+
+def finite_logits(out) -> bool:
+    """Whether a decode step's logits (its first output) are all finite: a step whose
+    hidden state went NaN routes nowhere and would time work it skipped."""
+    return bool(jnp.isfinite(out[0]).all())
 
 
 def decode_rows(llm: LLM, batch: int, context: int, rng) -> tuple:
@@ -379,6 +385,9 @@ def main(argv: list[str] | None = None) -> dict:
         if b in args.batch:
             fl = floor_s(w, mc, b, args.context, 1, True, bw, flops)
             row = dict(step="decode", batch=b, tokens=b, ms=ms, dispatch_ms=dispatch)
+            row["finite"] = finite_logits(call())
+            if not row["finite"]:
+                log(f"B {b}: the decode step's logits are not all finite")
             add(dict(row, held_ms=held, pipelined_ms=piped, **fl), call)
     handles, pages, lengths = verify_rows
     vb = args.verify_batch

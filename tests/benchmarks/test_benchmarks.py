@@ -92,7 +92,7 @@ def test_model_step_smoke(tmp_path, capsys):
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in doc["rows"])
     d1, d4 = doc["rows"][:2]
     assert d4["floor_bytes"] > d1["floor_bytes"]
-    assert all(d["held_ms"] > 0 and d["pipelined_ms"] > 0 for d in (d1, d4))
+    assert all(d["held_ms"] > 0 and d["pipelined_ms"] > 0 and d["finite"] for d in (d1, d4))
     assert "| / floor |" in capsys.readouterr().out
 
 
