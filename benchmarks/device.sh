@@ -25,6 +25,8 @@
 #   chunk_breakdown     chunk_breakdown: the chunked prefill kernel by kernel
 #   moe                 moe: the routed-experts block at M 1-8192 against lax.ragged_dot,
 #                       ragged_dot_mgpu and the floor
+#   moe_small_m         moe: the small-M kernel at M 1/16/32 with split reductions (split_k) and
+#                       tile variants, each op on its own copy of the weights
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
 #                       decode at B 1/16/64, a 29-node verify at B 16, four 4k-token prompts
 #                       prefilled in chunks of 2048, each against its floor (~330 s); KERNELS
@@ -149,6 +151,13 @@ step() {
       --blocks fuse_out=true,store_t=true --blocks fuse_out=true,store_t=true,block_v_state=16 \
       --blocks h_bf16=true,store_t=true,precision=bf16 --budget-s 450 \
       --json "$(json chunk_breakdown h200)"
+    ;;
+  moe_small_m)
+    TAILN=40 run 500 moe h200_small_m python3 -m benchmarks.moe --m 1,16,32 --paths small_m \
+      --small-blocks "" --small-blocks split_k=2 --small-blocks split_k=4 \
+      --small-blocks split_k=8 --small-blocks split_k=4,block_i=64 \
+      --small-blocks split_k=4,num_stages=4 --small-blocks split_k=8,block_h=128 \
+      --json "$(json moe h200_small_m)"
     ;;
   model_step)
     local kernels=${KERNELS:-auto}

@@ -6,7 +6,10 @@ Shapes: ``M`` tokens (``--m``), ``E`` experts (``--experts``), top-``k`` (``--to
 ``H`` (``--hidden``), expert intermediate ``I`` (``--inter``), ``--dtype`` (default: the
 Qwen3.5-35B-A3B MoE, E 256, k 8, H 2048, I 512, bf16). Inputs: ``--sets`` fresh random input
 sets per ``M`` (``x ~ N(0, 1)``; routing = softmax of random logits, top-k, renormalised, as the
-model's router), one set of expert weights.
+model's router); ``--weight-copies`` copies of the expert weights (default: one per input set),
+set ``s`` reading copy ``s mod copies``, so that each op reads weights that no earlier op of
+the program left in the GPU's L2 cache, as the layers of a model step do (``1``: every set
+reads one copy, and a small-``M`` op can find its experts' weights cached).
 
 Timing: one jitted program runs the op on every set back to back (as the layers of a model
 step); the time per op is the marginal cost ``(t(R) - t(1)) / (R - 1)`` for ``R = --sets >= 4``
@@ -66,6 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="timed runs per program (median)")
     p.add_argument("--sets", type=int, default=4, help="input sets per M (one program)")
     p.add_argument(
+        "--weight-copies",
+        type=int,
+        default=0,
+        help="copies of the expert weights, read in turn by the sets (default 0: one per set)",
+    )
+    p.add_argument(
         "--max-call-ms",
         type=float,
         default=400.0,
@@ -80,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dry-run", action="store_true", help="tiny shapes on CPU, kernels in interpret mode"
     )
     args = p.parse_args(argv)
+    if args.weight_copies < 0:
+        p.error("--weight-copies: at least 0 (0: one per input set)")
     if args.dry_run:
         for key, val in DRY.items():
             setattr(args, key, val)
@@ -122,9 +133,10 @@ def per_op_us(f, sets, reps: int) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------- inputs
 
 
-def expert_weights(args, dtype):
-    """``gate, up [E, H, I]``, ``down [E, I, H]`` ~ N(0, 1) / sqrt(fan-in)."""
-    keys = jax.random.split(jax.random.key(args.seed), 3)
+def expert_weights(args, dtype, copy: int = 0):
+    """``gate, up [E, H, I]``, ``down [E, I, H]`` ~ N(0, 1) / sqrt(fan-in) (``copy``: which of
+    the ``--weight-copies``)."""
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(args.seed), copy), 3)
     e, h, i = args.experts, args.hidden, args.inter
     return (
         (jax.random.normal(keys[0], (e, h, i), jnp.float32) / h**0.5).astype(dtype),
@@ -195,8 +207,8 @@ def skip_reason(path: str, fn, m: int, args) -> str:
 
 
 def bench_m(args, m, weights, paths, rates, slow: set) -> list[dict]:
-    dtype = weights[0].dtype
-    sets = [(*s, *weights) for s in input_sets(args, m, dtype)]
+    dtype = weights[0][0].dtype
+    sets = [(*s, *weights[c % len(weights)]) for c, s in enumerate(input_sets(args, m, dtype))]
     n = m * args.top_k
     h, i = args.hidden, args.inter
     touched = float(np.mean([len(np.unique(np.asarray(s[2]))) for s in sets]))
@@ -291,7 +303,8 @@ def main(argv=None) -> None:
     )
     tbps, tflops = rates["copy_Bps"] / 1e12, rates["matmul_flops"] / 1e12
     log(f"copy {tbps:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s")
-    weights = expert_weights(args, dtype)
+    copies = args.weight_copies or args.sets
+    weights = [expert_weights(args, dtype, c) for c in range(copies)]
     paths = variants(args, interpret)
     rows, slow = [], set()
     for m in args.m:

@@ -21,6 +21,16 @@ program (no atomics, deterministic).
 Row ``n`` of ``h`` and ``y`` is a spare that the masked-off rows of a chunk point at; nothing
 reads it.
 
+Split reductions (``SmallMBlocks.split_k = s > 1``): at decode a few experts leave most SMs
+idle and each program streams its whole column of weights with few bytes in flight, so each
+kernel's reduction can be split over a third grid axis of ``s`` programs (``s`` at most, a
+divisor of the reduction's loop steps). Split gate/up programs store their f32 partial
+``x gate_e`` and ``x up_e`` (``[s, n + 1, I]`` each); XLA adds the parts and applies the SiLU
+product and the routing weight (one small fusion) before the down kernel; split down programs
+store f32 partial ``y`` rows (``[s, n + 1, H]``), added before the combine. Rows of pairs with
+invalid ids are never written, and never read: the down kernel reads only its expert's rows,
+the combine drops invalid pairs.
+
 The routing weight enters in kernel 1 (before the down projection, which is linear), so ``y``
 rows are already weighted and the combine over a token's ``k`` pairs is one XLA reduction of
 ``y.reshape(M, k, H)`` over ``k`` (``M * k * H`` f32: 64 KiB at M 1, k 8, H 2048; against
@@ -58,14 +68,20 @@ from pallas_kernels.moe._common import (
 class SmallMBlocks(TileBlocks):
     """:class:`TileBlocks` plus ``max_pairs``: the most token-expert pairs ``M * k`` a call may
     have (each program compares its expert with all ``n`` ids and builds a
-    ``[block_m, n_pad]`` selection)."""
+    ``[block_m, n_pad]`` selection); and ``split_k``: each kernel's reduction (``H`` for
+    gate/up, ``I`` for down) split over that many programs (at most: the largest divisor of the
+    reduction's loop steps not above it), their f32 partial sums added after the kernels
+    (module docstring); 1: one program per tile."""
 
     max_pairs: int = 256
+    split_k: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_pairs < 1:
             raise ValueError(f"max_pairs: at least 1, got {self.max_pairs}")
+        if not isinstance(self.split_k, int) or self.split_k < 1:
+            raise ValueError(f"split_k: an int >= 1, got {self.split_k!r}")
 
 
 DEFAULT_SMALL_M_BLOCKS = SmallMBlocks()
@@ -109,11 +125,29 @@ def _tile(rows, col0, width: int):
 
 
 def _gate_up_kernel(
-    ids_ref, w_ref, x_ref, g_ref, u_ref, h_ref, *, n, n_pad, k, num_experts, bm, bi, bk, precision
+    ids_ref,
+    w_ref,
+    x_ref,
+    g_ref,
+    u_ref,
+    *out_refs,
+    n,
+    n_pad,
+    k,
+    num_experts,
+    bm,
+    bi,
+    bk,
+    precision,
+    parts=1,
 ):
     j = pl.program_id(1)
     e, active, count, rank = _owner(ids_ref, num_experts, n, n_pad)
     nk = x_ref.shape[1] // bk
+    lo = part = 0
+    if parts > 1:  # this program's share of the H loop; partial sums out (module docstring)
+        part = pl.program_id(2)
+        lo, nk = part * (nk // parts), nk // parts
     cols = pl.ds(j * bi, bi)
 
     @pl.when(active)
@@ -130,19 +164,32 @@ def _gate_up_kernel(
                 return ag, au
 
             zero = jnp.zeros((bm, bi), F32)
-            ag, au = jax.lax.fori_loop(0, nk, step, (zero, zero))
-            h = swiglu(ag, au) * w_ref[pair][:, None].astype(F32)
+            ag, au = jax.lax.fori_loop(lo, lo + nk, step, (zero, zero))
             mask = jnp.broadcast_to(valid[:, None], (bm, bi))
+            if parts > 1:
+                ag_ref, au_ref = out_refs
+                rows = dest + part * (n + 1)
+                plt.store(ag_ref.at[_tile(rows, j * bi, bi)], ag, mask=mask)
+                plt.store(au_ref.at[_tile(rows, j * bi, bi)], au, mask=mask)
+                return carry
+            (h_ref,) = out_refs
+            h = swiglu(ag, au) * w_ref[pair][:, None].astype(F32)
             plt.store(h_ref.at[_tile(dest, j * bi, bi)], h.astype(h_ref.dtype), mask=mask)
             return carry
 
         jax.lax.fori_loop(0, (count + bm - 1) // bm, chunk, 0)
 
 
-def _down_kernel(ids_ref, h_ref, d_ref, y_ref, *, n, n_pad, num_experts, bm, bh, bk, precision):
+def _down_kernel(
+    ids_ref, h_ref, d_ref, y_ref, *, n, n_pad, num_experts, bm, bh, bk, precision, parts=1
+):
     j = pl.program_id(1)
     e, active, count, rank = _owner(ids_ref, num_experts, n, n_pad)
     nk = h_ref.shape[1] // bk
+    lo = part = 0
+    if parts > 1:  # this program's share of the I loop, stored as a partial sum
+        part = pl.program_id(2)
+        lo, nk = part * (nk // parts), nk // parts
     cols = pl.ds(j * bh, bh)
 
     @pl.when(active)
@@ -154,9 +201,10 @@ def _down_kernel(ids_ref, h_ref, d_ref, y_ref, *, n, n_pad, num_experts, bm, bh,
                 hs = h_ref[dest, pl.ds(s * bk, bk)]  # [bm, bk]
                 return acc + mm(hs, d_ref[e, pl.ds(s * bk, bk), cols], precision)
 
-            y = jax.lax.fori_loop(0, nk, step, jnp.zeros((bm, bh), F32))
+            y = jax.lax.fori_loop(lo, lo + nk, step, jnp.zeros((bm, bh), F32))
             mask = jnp.broadcast_to(valid[:, None], (bm, bh))
-            plt.store(y_ref.at[_tile(dest, j * bh, bh)], y.astype(y_ref.dtype), mask=mask)
+            rows = dest + part * (n + 1) if parts > 1 else dest
+            plt.store(y_ref.at[_tile(rows, j * bh, bh)], y.astype(y_ref.dtype), mask=mask)
             return carry
 
         jax.lax.fori_loop(0, (count + bm - 1) // bm, chunk, 0)
@@ -204,37 +252,71 @@ def routed_experts_small_m(
     prec = weight_precision(gate.dtype, blocks.precision, interpret)
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     whole = pl.BlockSpec(memory_space=None)
-    h_pairs = pl.pallas_call(
-        functools.partial(
-            _gate_up_kernel,
-            n=n,
-            n_pad=n_pad,
-            k=k,
-            num_experts=e,
-            bm=bm,
-            bi=bi,
-            bk=bkh,
-            precision=prec,
-        ),
-        grid=(n_pad, i // bi),
-        in_specs=[whole] * 5,
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((n + 1, i), gate.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="moe_small_m_gate_up",
-    )(ids, w, x, gate, up)
+    pg, pd = _parts(blocks.split_k, h // bkh), _parts(blocks.split_k, i // bki)
+    gate_up = functools.partial(
+        _gate_up_kernel,
+        n=n,
+        n_pad=n_pad,
+        k=k,
+        num_experts=e,
+        bm=bm,
+        bi=bi,
+        bk=bkh,
+        precision=prec,
+        parts=pg,
+    )
+    if pg == 1:
+        h_pairs = pl.pallas_call(
+            gate_up,
+            grid=(n_pad, i // bi),
+            in_specs=[whole] * 5,
+            out_specs=whole,
+            out_shape=jax.ShapeDtypeStruct((n + 1, i), gate.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_small_m_gate_up",
+        )(ids, w, x, gate, up)
+    else:
+        part = jax.ShapeDtypeStruct((pg * (n + 1), i), F32)
+        ag, au = pl.pallas_call(
+            gate_up,
+            grid=(n_pad, i // bi, pg),
+            in_specs=[whole] * 5,
+            out_specs=(whole, whole),
+            out_shape=(part, part),
+            compiler_params=params,
+            interpret=interpret,
+            name="moe_small_m_gate_up",
+        )(ids, w, x, gate, up)
+        ag, au = (a.reshape(pg, n + 1, i)[:, :n].sum(axis=0) for a in (ag, au))
+        hp = swiglu(ag, au) * w.astype(F32)[:, None]
+        h_pairs = jnp.concatenate([hp, jnp.zeros((1, i), F32)]).astype(gate.dtype)
     y_pairs = pl.pallas_call(
         functools.partial(
-            _down_kernel, n=n, n_pad=n_pad, num_experts=e, bm=bm, bh=bh, bk=bki, precision=prec
+            _down_kernel,
+            n=n,
+            n_pad=n_pad,
+            num_experts=e,
+            bm=bm,
+            bh=bh,
+            bk=bki,
+            precision=prec,
+            parts=pd,
         ),
-        grid=(n_pad, h // bh),
+        grid=(n_pad, h // bh) + ((pd,) if pd > 1 else ()),
         in_specs=[whole] * 3,
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((n + 1, h), F32),
+        out_shape=jax.ShapeDtypeStruct((pd * (n + 1), h), F32),
         compiler_params=params,
         interpret=interpret,
         name="moe_small_m_down",
     )(ids, h_pairs, down)
+    if pd > 1:
+        y_pairs = y_pairs.reshape(pd, n + 1, h)[:, :n].sum(axis=0)
     flat = experts.reshape(-1)
     return combine(y_pairs[:n], (flat >= 0) & (flat < e), m, k, gate.dtype)
+
+
+def _parts(split_k: int, steps: int) -> int:
+    """The largest divisor of a reduction's ``steps`` loop steps not above ``split_k``."""
+    return max(d for d in range(1, min(split_k, steps) + 1) if steps % d == 0)

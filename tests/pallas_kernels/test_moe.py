@@ -7,6 +7,8 @@ machine (Triton IR only, nothing compiled)."""
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -89,6 +91,47 @@ def test_invalid_ids_contribute_nothing(kernel):
 def test_random_routings(kind, m, seed, kernel):
     args = inputs(kind, m, seed)
     assert rel_err(KERNELS[kernel](*args), routed64(*args)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["random", "all_one", "duplicates"])
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+def test_small_m_split_reductions_match_one_program(kind, split_k):
+    """``SmallMBlocks.split_k``: gate/up split over H (4 loop steps: 2, 2 and 4 parts for
+    split_k 2, 3, 4) and down over I (2 steps: 2 parts) give the one-program result to f32
+    rounding and float64's; invalid ids (-1, E) still contribute nothing; the kernels' grids
+    carry the split axis."""
+    h, i, m = 64, 32, 6
+    rng = np.random.default_rng(split_k)
+    experts, weights = make_routing(kind, m, K, E, rng)
+    drop = rng.random(experts.shape) < 0.25
+    experts = np.where(drop, np.where(np.arange(K) % 2 == 0, -1, E), experts)
+    x = jnp.asarray(rng.normal(size=(m, h)), jnp.float32)
+    args = (x, jnp.asarray(weights), jnp.asarray(experts), *make_experts(rng, E, h, i))
+    one = moe.routed_experts_small_m(*args, blocks=SMALL, interpret=True)
+    split = moe.SmallMBlocks(
+        block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16, split_k=split_k
+    )
+    got = moe.routed_experts_small_m(*args, blocks=split, interpret=True)
+    np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-6)
+    kept = routed64(x, np.where(drop, 0.0, weights), np.where(drop, 0, experts), *args[3:])
+    assert rel_err(got, kept) < 1e-5
+    jaxpr = jax.make_jaxpr(lambda *a: moe.routed_experts_small_m(*a, blocks=split, interpret=True))(
+        *args
+    )
+    pg = {2: 2, 3: 2, 4: 4}[split_k]  # the largest divisor of 4 steps not above split_k
+    assert _pallas_grids(jaxpr.jaxpr) == [(32, i // 16, pg), (32, h // 16, 2)]
+
+
+def _pallas_grids(jaxpr) -> list[tuple]:
+    """The grids of the pallas_calls in a jaxpr, nested calls included, in order."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(tuple(eqn.params["grid_mapping"].grid))
+        for v in eqn.params.values():
+            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                out += _pallas_grids(v.jaxpr)
+    return out
 
 
 def test_reference_matches_float64():
@@ -180,6 +223,7 @@ def test_kernel_input_checks(change, name):
         (moe.SmallMBlocks, dict(num_warps=3), "num_warps"),
         (moe.SmallMBlocks, dict(precision="tf32"), "precision"),
         (moe.SmallMBlocks, dict(max_pairs=0), "max_pairs"),
+        (moe.SmallMBlocks, dict(split_k=0), "split_k"),
         (moe.GroupedBlocks, dict(block_h=48), "block_h"),
         (moe.GroupedBlocks, dict(group_m=0), "group_m"),
         (moe.MgpuBlocks, dict(block_k=48), "block_k"),
@@ -221,3 +265,20 @@ def test_lowers_for_sm90(h200, kernel, m, dtype):
     fn = moe.routed_experts_small_m if kernel == "small_m" else moe.routed_experts_grouped
     names = [name for name, _ in h200(fn, *args)]
     assert names == [f"moe_{kernel}_gate_up", f"moe_{kernel}_down"], names
+
+
+def test_small_m_split_lowers_for_sm90(h200):
+    """The split-reduction small-M kernels at Qwen3.5-35B-A3B shapes, M 1, bf16."""
+    s = jax.ShapeDtypeStruct
+    args = (
+        s((1, 2048), jnp.bfloat16),
+        s((1, 8), jnp.bfloat16),
+        s((1, 8), jnp.int32),
+        s((256, 2048, 512), jnp.bfloat16),
+        s((256, 2048, 512), jnp.bfloat16),
+        s((256, 512, 2048), jnp.bfloat16),
+    )
+    split = moe.SmallMBlocks(split_k=4)
+    fn = functools.partial(moe.routed_experts_small_m, blocks=split)
+    names = [name for name, _ in h200(fn, *args)]
+    assert names == ["moe_small_m_gate_up", "moe_small_m_down"], names
