@@ -171,7 +171,10 @@ def balanced_route(
 
     Random weights route most tokens to a few experts once the residual stream is dominated
     by context averages, so a benchmark with them reads fewer expert bytes than a served
-    model; this keeps the router's matmul and the expert kernels' work realistic."""
+    model; this keeps the router's matmul and the expert kernels' work realistic. The experts
+    follow a row's index in the call, not its token: a model routed this way computes
+    different outputs for one sequence in different batch layouts, so it serves timing, not
+    output comparisons."""
     (logits,) = as_arrays(logits)
     if logits.ndim != 2:
         raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
