@@ -27,6 +27,8 @@
 #                       ragged_dot_mgpu and the floor
 #   moe_small_m         moe: the small-M kernel at M 1/16/32 with split reductions (split_k) and
 #                       tile variants, each op on its own copy of the weights
+#   moe_grouped         moe: the grouped kernel at M 464/2048/8192 with larger tiles, more warps
+#                       and stages, each op on its own copy of the weights
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
 #                       decode at B 1/16/64, a 29-node verify at B 16, four 4k-token prompts
 #                       prefilled in chunks of 2048, each against its floor (~330 s); KERNELS
@@ -158,6 +160,15 @@ step() {
       --small-blocks split_k=8 --small-blocks split_k=4,block_i=64 \
       --small-blocks split_k=4,num_stages=4 --small-blocks split_k=8,block_h=128 \
       --json "$(json moe h200_small_m)"
+    ;;
+  moe_grouped)
+    TAILN=40 run 560 moe h200_grouped python3 -m benchmarks.moe --m 464,2048,8192 \
+      --paths grouped --grouped-blocks "" --grouped-blocks num_warps=8 \
+      --grouped-blocks block_m=128,num_warps=8 \
+      --grouped-blocks block_m=128,block_i=128,block_h=128,num_warps=8 \
+      --grouped-blocks block_m=128,block_i=128,block_h=128,num_warps=8,num_stages=4 \
+      --grouped-blocks block_m=128,block_i=128,block_h=256,block_kh=64,num_warps=8 \
+      --json "$(json moe h200_grouped)"
     ;;
   model_step)
     local kernels=${KERNELS:-auto}
