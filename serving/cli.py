@@ -114,6 +114,7 @@ def _generate(args) -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         prefill_chunk=args.prefill_chunk,
+        prefill_buckets=args.prefill_buckets,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
@@ -149,6 +150,7 @@ def _serve(args) -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         prefill_chunk=args.prefill_chunk,
+        prefill_buckets=args.prefill_buckets,
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
@@ -248,7 +250,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=1024, help="most tokens per request")
     p.add_argument(
-        "--prefill-chunk", type=int, default=64, help="prompt tokens per request per prefill step"
+        "--prefill-chunk",
+        type=int,
+        default=64,
+        help="prompt tokens per request per prefill step (2048 suits a 35B-class model on a GPU)",
+    )
+    p.add_argument(
+        "--prefill-buckets",
+        type=lambda t: tuple(_ids(t)),
+        default=(),
+        metavar="W,W,...",
+        help="smaller prefill widths: a step pads its rows to the smallest that holds its "
+        "longest chunk, e.g. 128,512 with --prefill-chunk 2048 (default: none)",
     )
     p.add_argument(
         "--max-prefill-tokens",

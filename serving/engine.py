@@ -1,9 +1,10 @@
 """The engine loop: admit, reserve memory, then one prefill step (a chunk of every prefilling
 request) and one decode step (plain, or draft-verify-accept-commit) per iteration.
 
-Batches are padded to power-of-two buckets (capped at ``max_num_seqs``), prefill chunks to
-``prefill_chunk`` tokens and draft trees to the config's static ``N`` nodes, so the jitted
-steps compile once per bucket and never in a steady state.
+Batches are padded to power-of-two buckets (capped at ``max_num_seqs``), a prefill step's
+chunks to ``prefill_chunk`` tokens, or to the smallest of ``prefill_buckets`` that holds its
+longest chunk (:meth:`Engine.prefill_width`), and draft trees to the config's static ``N``
+nodes, so the jitted steps compile once per bucket and never in a steady state.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Engine:
         batch_buckets: tuple[int, ...],
         prefill_chunk: int,
         spec: SpecConfig | None,
+        prefill_buckets: tuple[int, ...] = (),
         max_prefill_rows: int | None = None,
         drafter=None,
         draft_runner: ModelRunner | ArenaRunner | None = None,
@@ -49,6 +51,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.buckets = tuple(sorted(batch_buckets))
         self.chunk = prefill_chunk
+        self.prefill_buckets = tuple(sorted({*prefill_buckets, prefill_chunk}))
         self.max_prefill_rows = max_prefill_rows or max_num_seqs
         self.spec = spec
         self.drafter = drafter
@@ -60,6 +63,12 @@ class Engine:
         self.device_spec = None
         if spec is not None:
             self.device_spec = _device_speculator(runner, spec, drafter, draft_runner)
+
+    def prefill_width(self, longest: int) -> int:
+        """Tokens per row of a prefill step whose longest chunk has ``longest`` tokens (at most
+        ``prefill_chunk``): the smallest prefill bucket that holds it (``prefill_chunk`` when
+        no smaller bucket was given)."""
+        return next(w for w in self.prefill_buckets if w >= longest)
 
     def compiled(self) -> int:
         n = self.runner.compiled()
@@ -198,10 +207,10 @@ class Engine:
     def _prefill(self, reqs: list[Request]) -> None:
         rows, draft_rows = self._rows(reqs)
         b = rows[0].shape[0]
-        tokens = np.zeros((b, self.chunk), np.int32)
+        todos = [r.prefill_tokens[r.computed : r.computed + self.chunk] for r in reqs]
+        tokens = np.zeros((b, self.prefill_width(max(map(len, todos)))), np.int32)
         counts = np.zeros(b, np.int32)
-        for i, r in enumerate(reqs):
-            todo = r.prefill_tokens[r.computed : r.computed + self.chunk]
+        for i, todo in enumerate(todos):
             tokens[i, : len(todo)] = todo
             counts[i] = len(todo)
         logits, am, hidden = self.runner.prefill(*rows, tokens, counts)

@@ -190,7 +190,13 @@ class LLM:
       speculative: a :class:`SpecConfig`, or ``None`` for plain decoding.
       max_num_seqs: most requests decoding at once (the largest batch bucket).
       max_model_len: most tokens (prompt + output + draft depth) of one request.
-      page_size: tokens per KV page. prefill_chunk: tokens per request per prefill step.
+      page_size: tokens per KV page. prefill_chunk: tokens per request per prefill step
+        (2048 suits a 35B-class model on a GPU).
+      prefill_buckets: smaller prefill widths (tokens per row, each at most
+        ``prefill_chunk``): a prefill step pads its rows to the smallest bucket (or
+        ``prefill_chunk``) that holds its longest chunk, so a large chunk costs short prompts
+        little; each width compiles its own program when first used. Default: none (every
+        step ``prefill_chunk`` wide).
       max_prefill_tokens: most prompt tokens one prefill step computes: the step takes a
         chunk from each of the ``max(1, max_prefill_tokens // prefill_chunk)`` oldest
         prefilling requests (the others wait a step), which bounds the prefill program's
@@ -254,6 +260,7 @@ class LLM:
         page_size: int = 16,
         prefill_chunk: int = 64,
         max_prefill_tokens: int | None = None,
+        prefill_buckets: Sequence[int] = (),
         batch_buckets: Sequence[int] | None = None,
         cuda_graph_max_tokens: int | None = DEFAULT_GRAPH_TOKENS,
         num_scheduler_steps: int = 1,
@@ -280,6 +287,14 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not all(
+            isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= prefill_chunk
+            for w in prefill_buckets
+        ):
+            raise ValueError(
+                f"prefill_buckets must be ints in [1, prefill_chunk={prefill_chunk}], "
+                f"got {tuple(prefill_buckets)!r}"
+            )
         if cuda_graph_max_tokens is not None and (
             not isinstance(cuda_graph_max_tokens, int) or cuda_graph_max_tokens < 0
         ):
@@ -476,6 +491,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             batch_buckets=batch_buckets,
             prefill_chunk=prefill_chunk,
+            prefill_buckets=tuple(prefill_buckets),
             max_prefill_rows=max(
                 1, (max_prefill_tokens or max(8192, prefill_chunk)) // prefill_chunk
             ),
