@@ -424,20 +424,28 @@ def _unmap(parts, kv, row, page):
     return (arena, table, handles.at[row, page].set(-1)), kv
 
 
-@pytest.mark.parametrize("case, hq, block_q, steps, q_dtype, kv_dtype", _GQA_CASES)
-def test_paged_gqa_tiles_and_page_steps(case, hq, block_q, steps, q_dtype, kv_dtype):
-    """Several query heads per KV head stacked in one tile, several pages per loop step
-    (lengths not a multiple of it), an unmapped page below the length (row 0's second), a row
-    at length 0 and queries that see no key: equal to the float64 reference and the arena
-    reference."""
+def _paged_case(case, kv_dtype, seed):
+    """``(lens, parts, kv, q_pos, T)`` of a ``_CASES`` case: row 0's second page unmapped (below
+    its length); at decode row 3 queries position 0, at prefill row 4's first two queries see
+    no key."""
     lens, pos_of, t = _CASES[case]
-    parts, kv = _paged_setup(kv_dtype, lens, seed=hq + t)
+    parts, kv = _paged_setup(kv_dtype, lens, seed=seed)
     parts, kv = _unmap(parts, kv, 0, 1)
     q_pos = pos_of(lens, t).astype(np.int32)
     if case == "decode":
         q_pos[3] = 0
     else:
         q_pos[4, :2] = -1
+    return lens, parts, kv, q_pos, t
+
+
+@pytest.mark.parametrize("case, hq, block_q, steps, q_dtype, kv_dtype", _GQA_CASES)
+def test_paged_gqa_tiles_and_page_steps(case, hq, block_q, steps, q_dtype, kv_dtype):
+    """Several query heads per KV head stacked in one tile, several pages per loop step
+    (lengths not a multiple of it), an unmapped page below the length (row 0's second), a row
+    at length 0 and queries that see no key: equal to the float64 reference and the arena
+    reference."""
+    lens, parts, kv, q_pos, t = _paged_case(case, kv_dtype, seed=hq + _CASES[case][2])
     rng = np.random.default_rng(hq)
     q = jnp.asarray(rng.standard_normal((len(lens), t, hq, D)), q_dtype)
     rows = (jnp.asarray(lens), jnp.asarray(q_pos))
@@ -478,14 +486,7 @@ def test_paged_key_splits_match_one_split_and_f64(case, splits, block_q, dtype):
     lengths, an unmapped page below row 0's length, a row at length 0, splits wholly past a
     row's length or a block's causal bound): the grid has the split axis, and the result equals
     the one-split kernel and the float64 reference."""
-    lens, pos_of, t = _CASES[case]
-    parts, kv = _paged_setup(dtype, lens, seed=splits + t)
-    parts, kv = _unmap(parts, kv, 0, 1)
-    q_pos = pos_of(lens, t).astype(np.int32)
-    if case == "decode":
-        q_pos[3] = 0
-    else:
-        q_pos[4, :2] = -1
+    lens, parts, kv, q_pos, t = _paged_case(case, dtype, seed=splits + _CASES[case][2])
     q = jnp.asarray(np.random.default_rng(splits).standard_normal((len(lens), t, 8, D)), dtype)
     rows = (jnp.asarray(lens), jnp.asarray(q_pos))
     kw = dict(**_PAGED, kv_dtype=dtype, block_q=block_q, pages_per_step=1, interpret=True)
