@@ -167,7 +167,8 @@ def balanced_route(
     their classes independently, touching ``E (1 - (1 - k/E)^M)`` experts in expectation, as
     uniform routing would. The weights are the router's own, formed from ``logits`` at those
     ids as :func:`route_topk` forms them (the softmax of the ``k`` when ``normalize``, else
-    their probabilities under the softmax over all ``E``). ``E`` must be a multiple of ``k``.
+    their probabilities under the softmax over all ``E``). With ``E`` not a multiple of ``k``
+    the classes are modulo ``floor(E / k)`` and the last ``E mod k`` experts are never taken.
 
     Random weights route most tokens to a few experts once the residual stream is dominated
     by context averages, so a benchmark with them reads fewer expert bytes than a served
@@ -179,8 +180,8 @@ def balanced_route(
     if logits.ndim != 2:
         raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
     m, e = logits.shape
-    if not isinstance(k, int) or not 1 <= k <= e or e % k:
-        raise ValueError(f"k: must be an int in [1, E = {e}] dividing E, got {k!r}")
+    if not isinstance(k, int) or not 1 <= k <= e:
+        raise ValueError(f"k: must be an int in [1, E = {e}], got {k!r}")
     classes = e // k
     h = jnp.arange(1, m + 1, dtype=jnp.uint32)  # murmur3's finaliser of the row index
     h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)

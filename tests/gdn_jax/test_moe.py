@@ -377,7 +377,11 @@ def test_balanced_route_spreads_rows_like_uniform_routing(norm):
 
 def test_balanced_route_bad_inputs_raise():
     with pytest.raises(ValueError, match="^k"):
-        balanced_route(np.zeros((2, 10), np.float32), 4)  # 4 does not divide 10
+        balanced_route(np.zeros((2, 10), np.float32), 11)
+    # E not a multiple of k (Qwen3-Next: 512 experts, top-10): distinct in-range ids
+    ids = np.asarray(balanced_route(np.zeros((64, 512), np.float32), 10)[1])
+    assert ids.min() >= 0 and ids.max() < 510
+    assert all(len(set(r)) == 10 for r in ids.tolist())
     with pytest.raises(ValueError, match="^logits"):
         balanced_route(np.zeros(8, np.float32), 2)
 
