@@ -650,6 +650,8 @@ class LLM:
         elif isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
                 raise ValueError(f"{name}: token ids must be a 1-d integer array")
+        elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            pass  # the common case, checked without the abstract-class test per id
         elif not isinstance(prompt, Sequence) or not all(_is_int(t) for t in prompt):
             raise ValueError(
                 f"{name}: expected a string, a list of token ids or a dict, got "
