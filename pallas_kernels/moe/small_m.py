@@ -265,30 +265,22 @@ def routed_experts_small_m(
         precision=prec,
         parts=pg,
     )
+    # one program per tile: h rows in the weights' dtype; split: the two f32 partial sums
+    part = jax.ShapeDtypeStruct((pg * (n + 1), i), F32)
+    gate_up_out = pl.pallas_call(
+        gate_up,
+        grid=(n_pad, i // bi) + ((pg,) if pg > 1 else ()),
+        in_specs=[whole] * 5,
+        out_specs=whole if pg == 1 else (whole, whole),
+        out_shape=jax.ShapeDtypeStruct((n + 1, i), gate.dtype) if pg == 1 else (part, part),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_small_m_gate_up",
+    )(ids, w, x, gate, up)
     if pg == 1:
-        h_pairs = pl.pallas_call(
-            gate_up,
-            grid=(n_pad, i // bi),
-            in_specs=[whole] * 5,
-            out_specs=whole,
-            out_shape=jax.ShapeDtypeStruct((n + 1, i), gate.dtype),
-            compiler_params=params,
-            interpret=interpret,
-            name="moe_small_m_gate_up",
-        )(ids, w, x, gate, up)
+        h_pairs = gate_up_out
     else:
-        part = jax.ShapeDtypeStruct((pg * (n + 1), i), F32)
-        ag, au = pl.pallas_call(
-            gate_up,
-            grid=(n_pad, i // bi, pg),
-            in_specs=[whole] * 5,
-            out_specs=(whole, whole),
-            out_shape=(part, part),
-            compiler_params=params,
-            interpret=interpret,
-            name="moe_small_m_gate_up",
-        )(ids, w, x, gate, up)
-        ag, au = (a.reshape(pg, n + 1, i)[:, :n].sum(axis=0) for a in (ag, au))
+        ag, au = (a.reshape(pg, n + 1, i)[:, :n].sum(axis=0) for a in gate_up_out)
         hp = swiglu(ag, au) * w.astype(F32)[:, None]
         h_pairs = jnp.concatenate([hp, jnp.zeros((1, i), F32)]).astype(gate.dtype)
     y_pairs = pl.pallas_call(
