@@ -191,7 +191,7 @@ class LLM:
       max_num_seqs: most requests decoding at once (the largest batch bucket).
       max_model_len: most tokens (prompt + output + draft depth) of one request.
       page_size: tokens per KV page. prefill_chunk: tokens per request per prefill step
-        (2048 suits a 35B-class model on a GPU).
+        (the H200 figures of ``benchmarks/model_step.py`` take 2048 for a 35B-class model).
       prefill_buckets: smaller prefill widths (tokens per row, each at most
         ``prefill_chunk``): a prefill step pads its rows to the smallest bucket (or
         ``prefill_chunk``) that holds its longest chunk, so a large chunk costs short prompts
