@@ -201,7 +201,7 @@ def pipelined_ms(runner, handles, pages, lengths, last, steps: int, block) -> fl
 
 def finite_logits(out) -> bool:
     """Whether a decode step's logits (its first output) are all finite: a step whose
-    hidden state went NaN routes nowhere and would time work it skipped."""
+    hidden state went NaN times arithmetic on garbage (and its routing is no model's)."""
     return bool(jnp.isfinite(out[0]).all())
 
 

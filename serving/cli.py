@@ -253,7 +253,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=int,
         default=64,
-        help="prompt tokens per request per prefill step (2048 suits a 35B-class model on a GPU)",
+        help="prompt tokens per request per prefill step (the H200 figures of "
+        "benchmarks/model_step.py take 2048 for a 35B-class model)",
     )
     p.add_argument(
         "--prefill-buckets",
