@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"measured: {bw / 1e12:.2f} TB/s copy, {flops / 1e12:.0f} TFLOP/s bf16 matmul")
 
     max_rows = max(args.batch + [args.verify_batch])
-    max_len = args.context + max(args.tree_sizes) + 8
+    max_len = args.context + max(args.tree_sizes, default=0) + 8
     if args.prefill_prompts > 0:
         max_len = max(max_len, args.prefill_len + 8)
     budget = args.memory_budget

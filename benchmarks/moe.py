@@ -15,7 +15,9 @@ Timing: one jitted program runs the op on every set back to back (as the layers 
 step); the time per op is the marginal cost ``(t(R) - t(1)) / (R - 1)`` for ``R = --sets >= 4``
 (else ``t(R) / R``), medians over ``--reps`` runs after a warm-up run, each run ended by
 ``jax.block_until_ready``. ``call_us`` is one jitted call end to end (dispatch and sync
-included).
+included). ``--profile`` adds each op's kernel time from a profiler trace of the program
+(``busy_us``: the summed durations of its kernels over the sets; at small ``M`` the marginal
+time is noisier than the op itself).
 
 Floor: ``max(bytes / copy rate, flops / matmul rate)``, with ``bytes`` = the touched experts'
 weights (``3 H I`` elements each, distinct experts of the set's routing, averaged over the sets)
@@ -50,6 +52,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels.moe as moe  # noqa: E402
 from benchmarks.common import ints, log, markdown_table, parse_blocks, write_json  # noqa: E402
+from benchmarks.kernel_profile import profile as profile_kernels  # noqa: E402
 from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
 from gdn_jax.moe import routed_experts  # noqa: E402
 
@@ -84,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grouped-blocks", action="append", default=[], help="GroupedBlocks spec")
     p.add_argument("--mgpu-blocks", action="append", default=[], help="MgpuBlocks spec")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each op's kernel time from a profiler trace (busy us: the kernels alone, "
+        "no dispatch or timing noise; benchmarks.kernel_profile)",
+    )
     p.add_argument("--json", default="", help="write the rows and measured rates here")
     p.add_argument(
         "--dry-run", action="store_true", help="tiny shapes on CPU, kernels in interpret mode"
@@ -247,6 +256,13 @@ def bench_m(args, m, weights, paths, rates, slow: set) -> list[dict]:
                 row["rel_err"], row["row_rel_err"] = row_errors(out, ref)
             row["us"], row["call_us"] = per_op_us(f, sets, args.reps)
             row["x_floor"] = row["us"] / floor_us
+            if args.profile:
+                prof = profile_kernels(lambda: f(sets), jax.block_until_ready, calls=3, top=6)
+                if prof.get("busy_ms") is not None:
+                    row["busy_us"] = 1e3 * prof["busy_ms"] / len(sets)
+                    row["kernels"] = prof["kernels"] / len(sets)
+                    row["busy_x_floor"] = row["busy_us"] / floor_us
+                    row["top"] = prof["top"]
             row["GBps"] = nbytes / row["us"] / 1e3
             row["TFLOPs"] = flops / row["us"] / 1e6
             if row["call_us"] > 1e3 * args.max_call_ms:
@@ -269,6 +285,9 @@ COLS = [
     ("floor_us", "floor us"),
     ("bound", "bound"),
     ("x_floor", "x floor"),
+    ("busy_us", "busy us / op"),
+    ("busy_x_floor", "busy x floor"),
+    ("kernels", "kernels / op"),
     ("GBps", "GB/s"),
     ("TFLOPs", "TFLOP/s"),
     ("rel_err", "rel err vs XLA"),

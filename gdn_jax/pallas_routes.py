@@ -152,9 +152,16 @@ AUTO_PALLAS.update(
 
 # ------------------------------------------------------------------ routed experts (MoE FFN)
 # pallas_kernels.moe: the small-M kernels (each touched expert's weights read once; no routing
-# plan in XLA) up to MOE_SMALL_M.max_pairs token-expert pairs, the Triton grouped GEMM beyond.
+# plan in XLA) up to MOE_SMALL_M.max_pairs token-expert pairs, the Triton grouped GEMM beyond:
+# for 2-byte weights up to MOE_FEW_PAIRS pairs (tree verify: an expert gets a few dozen rows)
+# 32-row expert blocks with wide tiles (1.3x the floor at M 464 on the H200, 1.7x with the
+# default tiles; `bash benchmarks/device.sh moe_grouped`), else the default 64-row blocks.
 MOE_SMALL_M = moe_kernels.SmallMBlocks()
+MOE_GROUPED_FEW = moe_kernels.GroupedBlocks(
+    block_m=32, block_i=128, block_h=256, block_kh=64, block_ki=64, num_stages=4
+)
 MOE_GROUPED = moe_kernels.GroupedBlocks()
+MOE_FEW_PAIRS = 8192
 
 
 def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj):
@@ -163,11 +170,21 @@ def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj):
     args = (x, weights, experts, gate_proj, up_proj, down_proj)
     if _moe_small(experts):
         return moe_kernels.routed_experts_small_m(*args, blocks=MOE_SMALL_M, interpret=_interpret())
-    return moe_kernels.routed_experts_grouped(*args, blocks=MOE_GROUPED, interpret=_interpret())
+    blocks = _moe_grouped_blocks(experts, gate_proj.dtype)
+    return moe_kernels.routed_experts_grouped(*args, blocks=blocks, interpret=_interpret())
 
 
 def _moe_small(experts) -> bool:
     return experts.shape[0] * experts.shape[1] <= MOE_SMALL_M.max_pairs
+
+
+def _moe_grouped_blocks(experts, weights_dtype) -> moe_kernels.GroupedBlocks:
+    """The wide tiles for 2-byte weights up to ``MOE_FEW_PAIRS`` pairs (with float32 weights
+    their four stages ask 288 KiB of shared memory, over the H200's 227 KiB), else the
+    defaults."""
+    pairs = experts.shape[0] * experts.shape[1]
+    few = pairs <= MOE_FEW_PAIRS and jnp.dtype(weights_dtype).itemsize == 2
+    return MOE_GROUPED_FEW if few else MOE_GROUPED
 
 
 def _moe_auto(x, weights, experts, gate_proj, up_proj, down_proj) -> bool:
@@ -181,7 +198,7 @@ def _moe_auto(x, weights, experts, gate_proj, up_proj, down_proj) -> bool:
         if _moe_small(experts):
             moe_kernels.check_small_m(*args, MOE_SMALL_M)
         else:
-            moe_kernels.check_grouped(*args, MOE_GROUPED)
+            moe_kernels.check_grouped(*args, _moe_grouped_blocks(experts, gate_proj.dtype))
     except ValueError:
         return False
     return True

@@ -23,8 +23,9 @@ reads it.
 
 Split reductions (``SmallMBlocks.split_k = s > 1``): at decode a few experts leave most SMs
 idle and each program streams its whole column of weights with few bytes in flight, so each
-kernel's reduction can be split over a third grid axis of ``s`` programs (``s`` at most, a
-divisor of the reduction's loop steps). Split gate/up programs store their f32 partial
+kernel's reduction is split over a third grid axis of ``s`` programs (``s`` at most, a
+divisor of the reduction's loop steps; by default as many as bring the kernel's busy programs
+up to ``SmallMBlocks.target_programs``). Split gate/up programs store their f32 partial
 ``x gate_e`` and ``x up_e`` (``[s, n + 1, I]`` each); XLA adds the parts and applies the SiLU
 product and the routing weight (one small fusion) before the down kernel; split down programs
 store f32 partial ``y`` rows (``[s, n + 1, H]``), added before the combine. Rows of pairs with
@@ -71,17 +72,39 @@ class SmallMBlocks(TileBlocks):
     ``[block_m, n_pad]`` selection); and ``split_k``: each kernel's reduction (``H`` for
     gate/up, ``I`` for down) split over that many programs (at most: the largest divisor of the
     reduction's loop steps not above it), their f32 partial sums added after the kernels
-    (module docstring); 1: one program per tile."""
+    (module docstring); 1: one program per tile; 0 (default): per kernel, as many as bring its
+    busy programs (``min(E, M * k)`` experts times its column tiles) up to ``target_programs``
+    (at decode, 8 at M 1 for gate/up and 4 for down; 1 from M 8 at Qwen3.5-35B-A3B's shapes).
 
-    max_pairs: int = 256
-    split_k: int = 1
+    The tile defaults are the fastest of a sweep on the H200 at Qwen3.5-35B-A3B's MoE
+    (``bash benchmarks/device.sh moe_small_m``): 128 / 256 columns of ``I`` / ``H`` per program
+    (256- and 512-byte contiguous rows of each weight tile), 32 rows of the reduction per loop
+    step, five stages in flight."""
+
+    block_i: int = 128
+    block_h: int = 256
+    block_kh: int = 32
+    block_ki: int = 32
+    num_stages: int = 5
+    max_pairs: int = 512
+    split_k: int = 0
+    target_programs: int = 256
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_pairs < 1:
             raise ValueError(f"max_pairs: at least 1, got {self.max_pairs}")
-        if not isinstance(self.split_k, int) or self.split_k < 1:
-            raise ValueError(f"split_k: an int >= 1, got {self.split_k!r}")
+        if not isinstance(self.split_k, int) or self.split_k < 0:
+            raise ValueError(f"split_k: an int >= 0 (0: automatic), got {self.split_k!r}")
+        if self.target_programs < 1:
+            raise ValueError(f"target_programs: at least 1, got {self.target_programs}")
+
+    def parts(self, steps: int, tiles: int) -> int:
+        """Programs sharing one reduction of ``steps`` loop steps when ``tiles`` (expert, column
+        tile) programs are busy: the largest divisor of ``steps`` not above ``split_k``, or for
+        ``split_k = 0`` not above ``max(1, target_programs // tiles)``."""
+        want = self.split_k or max(1, self.target_programs // max(tiles, 1))
+        return max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)
 
 
 DEFAULT_SMALL_M_BLOCKS = SmallMBlocks()
@@ -252,7 +275,9 @@ def routed_experts_small_m(
     prec = weight_precision(gate.dtype, blocks.precision, interpret)
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     whole = pl.BlockSpec(memory_space=None)
-    pg, pd = _parts(blocks.split_k, h // bkh), _parts(blocks.split_k, i // bki)
+    busy = min(e, n)  # experts a call can touch
+    pg = blocks.parts(h // bkh, busy * (i // bi))
+    pd = blocks.parts(i // bki, busy * (h // bh))
     gate_up = functools.partial(
         _gate_up_kernel,
         n=n,
@@ -308,7 +333,3 @@ def routed_experts_small_m(
     flat = experts.reshape(-1)
     return combine(y_pairs[:n], (flat >= 0) & (flat < e), m, k, gate.dtype)
 
-
-def _parts(split_k: int, steps: int) -> int:
-    """The largest divisor of a reduction's ``steps`` loop steps not above ``split_k``."""
-    return max(d for d in range(1, min(split_k, steps) + 1) if steps % d == 0)

@@ -26,7 +26,7 @@ from tests.gdn_jax.test_moe import make_experts, make_routing, rel_err, routed64
 E, H, I, K = 5, 32, 16, 3
 ROUTINGS = ("random", "skewed", "all_one", "empty", "duplicates")
 # tiny tiles: several column tiles per program grid and a 16-row block per expert chunk
-SMALL = moe.SmallMBlocks(block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16)
+SMALL = moe.SmallMBlocks(block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16, split_k=1)
 GROUPED = moe.GroupedBlocks(block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16, group_m=2)
 KERNELS = {
     "small_m": lambda *a: moe.routed_experts_small_m(*a, blocks=SMALL, interpret=True),
@@ -94,14 +94,18 @@ def test_random_routings(kind, m, seed, kernel):
 
 
 @pytest.mark.parametrize("kind", ["random", "all_one", "duplicates"])
-@pytest.mark.parametrize("split_k", [2, 3, 4])
-def test_small_m_split_reductions_match_one_program(kind, split_k):
+@pytest.mark.parametrize(
+    "split_k, target, parts",
+    [(2, 256, (2, 2)), (3, 256, (2, 2)), (4, 256, (4, 2)), (0, 40, (4, 2)), (0, 12, (1, 1))],
+)
+def test_small_m_split_reductions_match_one_program(kind, split_k, target, parts):
     """``SmallMBlocks.split_k``: gate/up split over H (4 loop steps: 2, 2 and 4 parts for
     split_k 2, 3, 4) and down over I (2 steps: 2 parts) give the one-program result to f32
     rounding and float64's; invalid ids (-1, E) still contribute nothing; the kernels' grids
-    carry the split axis."""
+    carry the split axis. ``split_k = 0`` (automatic): 5 experts touched (18 pairs), 2 gate/up
+    and 4 down column tiles each, so ``target_programs`` 40 asks 4 and 2 parts, 12 asks one."""
     h, i, m = 64, 32, 6
-    rng = np.random.default_rng(split_k)
+    rng = np.random.default_rng(split_k + target)
     experts, weights = make_routing(kind, m, K, E, rng)
     drop = rng.random(experts.shape) < 0.25
     experts = np.where(drop, np.where(np.arange(K) % 2 == 0, -1, E), experts)
@@ -109,7 +113,13 @@ def test_small_m_split_reductions_match_one_program(kind, split_k):
     args = (x, jnp.asarray(weights), jnp.asarray(experts), *make_experts(rng, E, h, i))
     one = moe.routed_experts_small_m(*args, blocks=SMALL, interpret=True)
     split = moe.SmallMBlocks(
-        block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16, split_k=split_k
+        block_m=16,
+        block_i=16,
+        block_h=16,
+        block_kh=16,
+        block_ki=16,
+        split_k=split_k,
+        target_programs=target,
     )
     got = moe.routed_experts_small_m(*args, blocks=split, interpret=True)
     np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-6)
@@ -118,8 +128,11 @@ def test_small_m_split_reductions_match_one_program(kind, split_k):
     jaxpr = jax.make_jaxpr(lambda *a: moe.routed_experts_small_m(*a, blocks=split, interpret=True))(
         *args
     )
-    pg = {2: 2, 3: 2, 4: 4}[split_k]  # the largest divisor of 4 steps not above split_k
-    assert _pallas_grids(jaxpr.jaxpr) == [(32, i // 16, pg), (32, h // 16, 2)]
+    pg, pd = parts  # the largest divisors of 4 and 2 steps not above the asked parts
+    assert _pallas_grids(jaxpr.jaxpr) == [
+        (32, i // 16) + ((pg,) if pg > 1 else ()),
+        (32, h // 16) + ((pd,) if pd > 1 else ()),
+    ]
 
 
 def _pallas_grids(jaxpr) -> list[tuple]:
@@ -223,7 +236,8 @@ def test_kernel_input_checks(change, name):
         (moe.SmallMBlocks, dict(num_warps=3), "num_warps"),
         (moe.SmallMBlocks, dict(precision="tf32"), "precision"),
         (moe.SmallMBlocks, dict(max_pairs=0), "max_pairs"),
-        (moe.SmallMBlocks, dict(split_k=0), "split_k"),
+        (moe.SmallMBlocks, dict(split_k=-1), "split_k"),
+        (moe.SmallMBlocks, dict(target_programs=0), "target_programs"),
         (moe.GroupedBlocks, dict(block_h=48), "block_h"),
         (moe.GroupedBlocks, dict(group_m=0), "group_m"),
         (moe.MgpuBlocks, dict(block_k=48), "block_k"),
@@ -268,7 +282,8 @@ def test_lowers_for_sm90(h200, kernel, m, dtype):
 
 
 def test_small_m_split_lowers_for_sm90(h200):
-    """The split-reduction small-M kernels at Qwen3.5-35B-A3B shapes, M 1, bf16."""
+    """The split-reduction small-M kernels at Qwen3.5-35B-A3B shapes, M 1, bf16: the default
+    blocks' automatic split (8 gate/up and 4 down parts) and a fixed one."""
     s = jax.ShapeDtypeStruct
     args = (
         s((1, 2048), jnp.bfloat16),
@@ -278,7 +293,10 @@ def test_small_m_split_lowers_for_sm90(h200):
         s((256, 2048, 512), jnp.bfloat16),
         s((256, 512, 2048), jnp.bfloat16),
     )
-    split = moe.SmallMBlocks(split_k=4)
-    fn = functools.partial(moe.routed_experts_small_m, blocks=split)
-    names = [name for name, _ in h200(fn, *args)]
-    assert names == ["moe_small_m_gate_up", "moe_small_m_down"], names
+    for blocks in (moe.DEFAULT_SMALL_M_BLOCKS, moe.SmallMBlocks(split_k=2)):
+        fn = functools.partial(moe.routed_experts_small_m, blocks=blocks)
+        grids = _pallas_grids(jax.make_jaxpr(fn)(*args).jaxpr)
+        names = [name for name, _ in h200(fn, *args)]
+        assert names == ["moe_small_m_gate_up", "moe_small_m_down"], names
+        if blocks.split_k == 0:
+            assert grids == [(16, 4, 8), (16, 8, 4)], grids
