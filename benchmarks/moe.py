@@ -257,7 +257,9 @@ def bench_m(args, m, weights, paths, rates, slow: set) -> list[dict]:
             row["us"], row["call_us"] = per_op_us(f, sets, args.reps)
             row["x_floor"] = row["us"] / floor_us
             if args.profile:
-                prof = profile_kernels(lambda: f(sets), jax.block_until_ready, calls=3, top=6)
+                prof = profile_kernels(
+                    functools.partial(f, sets), jax.block_until_ready, calls=3, top=6
+                )
                 if prof.get("busy_ms") is not None:
                     row["busy_us"] = 1e3 * prof["busy_ms"] / len(sets)
                     row["kernels"] = prof["kernels"] / len(sets)
