@@ -332,4 +332,3 @@ def routed_experts_small_m(
         y_pairs = y_pairs.reshape(pd, n + 1, h)[:, :n].sum(axis=0)
     flat = experts.reshape(-1)
     return combine(y_pairs[:n], (flat >= 0) & (flat < e), m, k, gate.dtype)
-
