@@ -152,13 +152,18 @@ AUTO_PALLAS.update(
 
 # ------------------------------------------------------------------ routed experts (MoE FFN)
 # pallas_kernels.moe: the small-M kernels (each touched expert's weights read once; no routing
-# plan in XLA) up to MOE_SMALL_M.max_pairs token-expert pairs, the Triton grouped GEMM beyond:
-# for 2-byte weights up to MOE_FEW_PAIRS pairs (tree verify: an expert gets a few dozen rows)
-# 32-row expert blocks with wide tiles (1.3x the floor at M 464 on the H200, 1.7x with the
-# default tiles; `bash benchmarks/device.sh moe_grouped`), else the default 64-row blocks.
+# plan in XLA) up to MOE_SMALL_M.max_pairs token-expert pairs, the Triton grouped GEMM beyond.
+# Its tiles for 2-byte weights (kernel time over the floor on the H200 at Qwen3.5-35B-A3B's
+# MoE, `python -m benchmarks.moe --profile`): up to MOE_FEW_PAIRS pairs (tree verify: an expert
+# gets a few dozen rows) 32-row expert blocks with wide tiles (1.14x at M 464, 1.49x with the
+# default tiles), beyond them 128-row blocks, eight warps (1.87x at M 8192, 2.33x); float32
+# weights take the defaults (the wide tiles' stages need more shared memory than a block has).
 MOE_SMALL_M = moe_kernels.SmallMBlocks()
 MOE_GROUPED_FEW = moe_kernels.GroupedBlocks(
     block_m=32, block_i=128, block_h=256, block_kh=64, block_ki=64, num_stages=4
+)
+MOE_GROUPED_MANY = moe_kernels.GroupedBlocks(
+    block_m=128, block_i=128, block_h=256, block_kh=64, block_ki=64, num_warps=8, num_stages=4
 )
 MOE_GROUPED = moe_kernels.GroupedBlocks()
 MOE_FEW_PAIRS = 8192
@@ -179,12 +184,11 @@ def _moe_small(experts) -> bool:
 
 
 def _moe_grouped_blocks(experts, weights_dtype) -> moe_kernels.GroupedBlocks:
-    """The wide tiles for 2-byte weights up to ``MOE_FEW_PAIRS`` pairs (with float32 weights
-    their four stages ask 288 KiB of shared memory, over the H200's 227 KiB), else the
-    defaults."""
-    pairs = experts.shape[0] * experts.shape[1]
-    few = pairs <= MOE_FEW_PAIRS and jnp.dtype(weights_dtype).itemsize == 2
-    return MOE_GROUPED_FEW if few else MOE_GROUPED
+    """The grouped kernels' tiles for a call (the comment above ``MOE_SMALL_M``)."""
+    if jnp.dtype(weights_dtype).itemsize != 2:
+        return MOE_GROUPED
+    few = experts.shape[0] * experts.shape[1] <= MOE_FEW_PAIRS
+    return MOE_GROUPED_FEW if few else MOE_GROUPED_MANY
 
 
 def _moe_auto(x, weights, experts, gate_proj, up_proj, down_proj) -> bool:

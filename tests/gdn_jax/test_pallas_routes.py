@@ -97,3 +97,18 @@ def test_auto_predicates_take_only_kernel_shapes():
 
     assert moe(1, 8, 2048, 512) and moe(16, 8, 2048, 512) and moe(2048, 8, 2048, 512)
     assert not moe(1, 8, 2040, 512) and not moe(2048, 8, 2048, 520)
+
+
+def test_moe_grouped_tiles_by_pairs_and_dtype():
+    """The grouped MoE kernels' tiles: 32-row blocks up to ``MOE_FEW_PAIRS`` pairs and 128-row
+    blocks beyond for 2-byte weights; float32 weights keep the default tiles (the wide ones'
+    stages would exceed an H200 block's shared memory)."""
+    from gdn_jax import pallas_routes as pr
+
+    ids = lambda m: jax.ShapeDtypeStruct((m, 8), jnp.int32)
+    few = pr.MOE_FEW_PAIRS // 8
+    assert pr._moe_grouped_blocks(ids(few), jnp.bfloat16).block_m == 32
+    assert pr._moe_grouped_blocks(ids(few + 1), jnp.bfloat16).block_m == 128
+    assert pr._moe_grouped_blocks(ids(few), jnp.float16) is pr.MOE_GROUPED_FEW
+    for m in (few, few + 1):
+        assert pr._moe_grouped_blocks(ids(m), jnp.float32) is pr.MOE_GROUPED
