@@ -25,10 +25,11 @@
 #   chunk_breakdown     chunk_breakdown: the chunked prefill kernel by kernel
 #   moe                 moe: the routed-experts block at M 1-8192 against lax.ragged_dot,
 #                       ragged_dot_mgpu and the floor
-#   moe_small_m         moe: the small-M kernel at M 1/16/32 with split reductions (split_k) and
-#                       tile variants, each op on its own copy of the weights
-#   moe_grouped         moe: the grouped kernel at M 464/2048/8192 with larger tiles, more warps
-#                       and stages, each op on its own copy of the weights
+#   moe_small_m         moe: the small-M kernel at M 1/4/16/64, its defaults (automatic split)
+#                       against fixed splits and narrower tiles, kernel time profiled, each op
+#                       on its own copy of the weights
+#   moe_grouped         moe: the grouped kernel at M 464/1024/2048 and 8192, defaults against the
+#                       routed 32- and 128-row tiles, kernel time profiled
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
 #                       decode at B 1/16/64, a 29-node verify at B 16, four 4k-token prompts
 #                       prefilled in chunks of 2048, each against its floor (~330 s); KERNELS
@@ -155,20 +156,21 @@ step() {
       --json "$(json chunk_breakdown h200)"
     ;;
   moe_small_m)
-    TAILN=40 run 500 moe h200_small_m python3 -m benchmarks.moe --m 1,16,32 --paths small_m \
-      --small-blocks "" --small-blocks split_k=2 --small-blocks split_k=4 \
-      --small-blocks split_k=8 --small-blocks split_k=4,block_i=64 \
-      --small-blocks split_k=4,num_stages=4 --small-blocks split_k=8,block_h=128 \
-      --json "$(json moe h200_small_m)"
+    local old=block_i=32,block_h=64,block_kh=128,block_ki=128,num_stages=3
+    TAILN=40 run 300 moe h200_small_m python3 -m benchmarks.moe --m 1,4,16,64 --paths small_m \
+      --profile --sets 8 --reps 20 --small-blocks "" --small-blocks split_k=1 \
+      --small-blocks $old,split_k=1 --small-blocks $old --small-blocks block_i=64,block_h=128 \
+      --small-blocks target_programs=512 --json "$(json moe h200_small_m)"
     ;;
   moe_grouped)
-    TAILN=40 run 560 moe h200_grouped python3 -m benchmarks.moe --m 464,2048,8192 \
-      --paths grouped --grouped-blocks "" --grouped-blocks num_warps=8 \
-      --grouped-blocks block_m=128,num_warps=8 \
-      --grouped-blocks block_m=128,block_i=128,block_h=128,num_warps=8 \
-      --grouped-blocks block_m=128,block_i=128,block_h=128,num_warps=8,num_stages=4 \
-      --grouped-blocks block_m=128,block_i=128,block_h=256,block_kh=64,num_warps=8 \
-      --json "$(json moe h200_grouped)"
+    local few=block_m=32,block_i=128,block_h=256,block_kh=64,block_ki=64,num_stages=4
+    local many=block_m=128,block_i=128,block_h=256,block_kh=64,block_ki=64,num_warps=8,num_stages=4
+    TAILN=40 run 200 moe h200_grouped python3 -m benchmarks.moe --m 464,1024,2048 \
+      --paths grouped --profile --sets 4 --grouped-blocks "" --grouped-blocks $few \
+      --grouped-blocks $many --json "$(json moe h200_grouped)"
+    TAILN=40 run 150 moe h200_grouped_8192 python3 -m benchmarks.moe --m 8192 --paths grouped \
+      --profile --sets 4 --reps 5 --grouped-blocks "" --grouped-blocks $many \
+      --grouped-blocks block_m=128,block_i=128,num_warps=8 --json "$(json moe h200_grouped_8192)"
     ;;
   model_step)
     local kernels=${KERNELS:-auto}
