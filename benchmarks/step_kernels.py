@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     flat = R.FlatState(flat.treedef, [sds(x.shape, x.dtype) for x in flat.leaves])
     depth = 4
     layout = layout_for(
-        config.to_hf_dict(), 16, spec_nodes=max(args.tree_sizes), kv_dtype="bfloat16"
+        config.to_hf_dict(), 16, spec_nodes=max(args.tree_sizes, default=1), kv_dtype="bfloat16"
     )
     mm = MemoryManager(layout, 64 << 20, "avmp")  # shapes only: the programs see abstract arrays
     spec = ArenaSpec.from_layout(layout, jnp.bfloat16, config=config)
