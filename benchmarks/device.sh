@@ -204,7 +204,7 @@ step() {
     ;;
   attention_splits)
     TAILN=24 run 400 attention_splits h200 python3 -m benchmarks.attention_splits \
-      --batch 1 16 64 --context 512 4096 --reps 20 --json "$(json attention_splits h200)"
+      --batch 1 16 64 --context 512 4096 --reps 10 --inner 4 --json "$(json attention_splits h200)"
     ;;
   dispatch)
     TAILN=10 run 200 dispatch h200 python3 -m benchmarks.dispatch --json "$(json dispatch h200)"
