@@ -31,7 +31,7 @@
 #   moe_grouped         moe: the grouped kernel at M 464/1024/2048 and 8192, defaults against the
 #                       routed 32- and 128-row tiles, kernel time profiled
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
-#                       decode at B 1/16/64, a 29-node verify at B 16, four 4k-token prompts
+#                       decode at B 1/16/64/256, a 29-node verify at B 16, four 4k-token prompts
 #                       prefilled in chunks of 2048, each against its floor (~330 s); KERNELS
 #                       (auto), LIMIT (580 s), ARGS (replaces those arguments)
 #   arena_copies        arena_copies: whole-arena copies in each arena program, auto and xla
@@ -174,7 +174,7 @@ step() {
     ;;
   model_step)
     local kernels=${KERNELS:-auto}
-    local margs=${ARGS:---batch 1,16,64 --tree-sizes 29 --prefill-prompts 4 --prefill-chunk 2048 --reps 10}
+    local margs=${ARGS:---batch 1,16,64,256 --tree-sizes 29 --prefill-prompts 4 --prefill-chunk 2048 --reps 10}
     TAILN=14 run "${LIMIT:-580}" model_step "h200_$kernels" python3 -m benchmarks.model_step \
       --kernels "$kernels" $margs --json "$(json model_step "h200_$kernels")"
     ;;
