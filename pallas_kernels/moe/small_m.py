@@ -76,7 +76,7 @@ class SmallMBlocks(TileBlocks):
     busy programs (``min(E, M * k)`` experts times its column tiles) up to ``target_programs``
     (at decode, 8 at M 1 for gate/up and 4 for down; 1 from M 8 at Qwen3.5-35B-A3B's shapes).
 
-    The tile defaults are the fastest of a sweep on the H200 at Qwen3.5-35B-A3B's MoE
+    The tile defaults did best overall in a sweep on the H200 at Qwen3.5-35B-A3B's MoE
     (``bash benchmarks/device.sh moe_small_m``): 128 / 256 columns of ``I`` / ``H`` per program
     (256- and 512-byte contiguous rows of each weight tile), 32 rows of the reduction per loop
     step, five stages in flight."""
