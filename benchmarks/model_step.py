@@ -206,23 +206,35 @@ def finite_logits(out) -> bool:
 
 
 def decode_rows(llm: LLM, batch: int, context: int, rng) -> tuple:
-    """``(handles, pages, lengths)`` of ``batch`` rows the engine prefilled with ``context``
-    random tokens (captured from its decode call with the most rows; the arena keeps their
-    states)."""
+    """``(handles, pages, lengths, release)`` of ``batch`` rows the engine prefilled with
+    ``context`` random tokens (captured from its decode call with the most rows). The rows'
+    arena memory stays held after ``generate`` finishes them, so that their handles still map
+    their states and KV pages (a freed handle's table entry is cleared, and a kernel reading
+    through it reads some other unit's words) until ``release()`` frees it."""
     runner = llm.engine.runner
+    manager = llm.engine.sched.manager
     capture = _Capture(runner.decode)
+    deferred = []
     runner.decode = capture
+    manager.free = lambda *a, **k: deferred.append((a, k))  # the finished rows stay mapped
     try:
         prompts = [rng.integers(1, llm.config.vocab_size, context).tolist() for _ in range(batch)]
         eng = llm.engine  # enough tokens that the first rows still decode when the last join
         steps = -(-batch // eng.max_prefill_rows) * -(-context // eng.chunk)
         llm.generate(prompts, SamplingParams(max_tokens=steps + 2))
     finally:
-        del runner.decode
+        del runner.decode, manager.free
+
+    def release():
+        for a, k in deferred:
+            manager.free(*a, **k)
+        deferred.clear()
+
     if capture.rows != batch:
+        release()
         raise RuntimeError(f"no decode step ran all {batch} rows (at most {capture.rows})")
     handles, pages, lengths = capture.args[0][:3]
-    return handles, pages, lengths
+    return handles, pages, lengths, release
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     verify_rows = None
     for b in sorted(set(args.batch + [args.verify_batch])):
         t = time.perf_counter()
-        handles, pages, lengths = decode_rows(llm, b, args.context, rng)
+        handles, pages, lengths, release = decode_rows(llm, b, args.context, rng)
         log(f"B {b}: prefilled and compiled in {time.perf_counter() - t:.1f} s")
         last = rng.integers(1, mc.vocab_size, b).astype(np.int32)
         call = functools.partial(runner.decode, handles, pages, lengths, last)
@@ -382,6 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
         decode_ms[b] = ms
         if b == args.verify_batch:
             verify_rows = (handles, pages, lengths)
+            release_verify = release
         if b in args.batch:
             fl = floor_s(w, mc, b, args.context, 1, True, bw, flops)
             row = dict(step="decode", batch=b, tokens=b, ms=ms, dispatch_ms=dispatch)
@@ -389,6 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
             if not row["finite"]:
                 log(f"B {b}: the decode step's logits are not all finite")
             add(dict(row, held_ms=held, pipelined_ms=piped, **fl), call)
+        if b != args.verify_batch:
+            release()
     handles, pages, lengths = verify_rows
     vb = args.verify_batch
     for n in args.tree_sizes:
@@ -412,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
             ),
             call,
         )
+    release_verify()
     if args.prefill_prompts < 1:  # no prefill row
         return _report(args, doc, rows, name, mc, runner, bw, flops)
     prompts = [
