@@ -3,6 +3,7 @@ error and size formatting, Markdown tables and JSON output. Imports no jax."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -135,6 +136,26 @@ def markdown_table(rows: list[dict], cols, digits: int = 3) -> str:
     for r in rows:
         lines.append("| " + " | ".join(fmt_cell(r.get(k, ""), digits) for k, _ in cols) + " |")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def frees_deferred(manager):
+    """Inside the block the memory manager's ``free`` calls are recorded, not made, so that rows
+    a ``generate`` finishes keep their memory: a freed handle's table entry is cleared, and a
+    kernel reading through it reads some other unit's words. Yields ``release()``, which makes
+    the recorded calls; call it once the timings on those rows are done."""
+    free, deferred = manager.free, []
+
+    def release():
+        for a, k in deferred:
+            free(*a, **k)
+        deferred.clear()
+
+    manager.free = lambda *a, **k: deferred.append((a, k))
+    try:
+        yield release
+    finally:
+        del manager.free
 
 
 def log(msg: str) -> None:

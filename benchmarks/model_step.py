@@ -58,7 +58,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.common import fmt_bytes, ints, load_config, log, markdown_table, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    fmt_bytes,
+    frees_deferred,
+    ints,
+    load_config,
+    log,
+    markdown_table,
+    write_json,
+)
 from benchmarks.kernel_profile import profile as profile_kernels  # noqa: E402
 from benchmarks.layers import SMOKE, random_parents  # noqa: E402
 from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
@@ -209,26 +217,21 @@ def decode_rows(llm: LLM, batch: int, context: int, rng) -> tuple:
     """``(handles, pages, lengths, release)`` of ``batch`` rows the engine prefilled with
     ``context`` random tokens (captured from its decode call with the most rows). The rows'
     arena memory stays held after ``generate`` finishes them, so that their handles still map
-    their states and KV pages (a freed handle's table entry is cleared, and a kernel reading
-    through it reads some other unit's words) until ``release()`` frees it."""
+    their states and KV pages, until ``release()`` frees it."""
     runner = llm.engine.runner
     manager = llm.engine.sched.manager
     capture = _Capture(runner.decode)
-    deferred = []
     runner.decode = capture
-    manager.free = lambda *a, **k: deferred.append((a, k))  # the finished rows stay mapped
     try:
-        prompts = [rng.integers(1, llm.config.vocab_size, context).tolist() for _ in range(batch)]
-        eng = llm.engine  # enough tokens that the first rows still decode when the last join
-        steps = -(-batch // eng.max_prefill_rows) * -(-context // eng.chunk)
-        llm.generate(prompts, SamplingParams(max_tokens=steps + 2))
+        with frees_deferred(manager) as release:  # the finished rows stay mapped
+            prompts = [
+                rng.integers(1, llm.config.vocab_size, context).tolist() for _ in range(batch)
+            ]
+            eng = llm.engine  # enough tokens that the first rows still decode when the last join
+            steps = -(-batch // eng.max_prefill_rows) * -(-context // eng.chunk)
+            llm.generate(prompts, SamplingParams(max_tokens=steps + 2))
     finally:
-        del runner.decode, manager.free
-
-    def release():
-        for a, k in deferred:
-            manager.free(*a, **k)
-        deferred.clear()
+        del runner.decode
 
     if capture.rows != batch:
         release()

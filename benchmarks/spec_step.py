@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax import numpy as jnp
 
-from benchmarks.common import ints, log, markdown_table, write_json
+from benchmarks.common import frees_deferred, ints, log, markdown_table, write_json
 from benchmarks.kernel_profile import profile as profile_kernels
 from serving.bench import ASSETS, stdlib_prompts
 from serving.llm import LLM, load_model
@@ -77,8 +77,9 @@ def measure(
     device_spec = engine.device_spec
     capture = _Capture(device_spec)
     engine.device_spec = capture  # keeps the last step's inputs: this batch's rows
-    try:
-        llm.generate(stdlib_prompts(batch, 96), SamplingParams(max_tokens=4))
+    try:  # the finished rows keep their memory until the timings are done
+        with frees_deferred(engine.sched.manager) as release:
+            llm.generate(stdlib_prompts(batch, 96), SamplingParams(max_tokens=4))
     finally:
         engine.device_spec = device_spec
     a, k = capture.args
@@ -112,6 +113,7 @@ def measure(
         for name, fn in programs.items():
             prof = profile_kernels(fn, lambda _: None)
             profiles[name] = {k: prof.get(k) for k in ("kernels", "busy_ms", "span_ms", "top")}
+    release()
     return dict(
         batch=batch,
         tree=",".join(map(str, tree)),
