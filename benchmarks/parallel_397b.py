@@ -314,24 +314,39 @@ def shard_mode(args) -> dict:
     from gdn_jax.models import param_count
     from serving import LLM, SamplingParams, SpecConfig
 
-    rows, depths = [], {}
-    cfg = loc = None
+    rows, depths, models, locs = [], {}, {}, {}
+    cfg = None
     for layers in args.layers:
-        cfg, loc = shard_config(8, layers, args.experts)
+        cfg, locs[layers] = shard_config(8, layers, args.experts)
+        loc = locs[layers]
         log(f"one device's shard: {loc.num_hidden_layers} layers, {loc.num_experts} experts "
             f"(top-{loc.num_experts_per_tok}), vocab {loc.vocab_size}, {jax.devices()[0]}")  # fmt: skip
         t0 = time.perf_counter()
-        model = random_model(loc, jnp.bfloat16)
-        jax.block_until_ready(jax.tree.leaves(model))
-        depths[layers] = param_count(model)
+        models[layers] = random_model(loc, jnp.bfloat16)
+        jax.block_until_ready(jax.tree.leaves(models[layers]))
+        depths[layers] = param_count(models[layers])
         log(f"{depths[layers] / 1e9:.2f} B parameters ({fmt_bytes(2 * depths[layers])}) in "
             f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
-        rng = np.random.default_rng(0)
-        for b in args.batch:
+
+    def doc():
+        return dict(
+            config=CONFIG,
+            device=str(jax.devices()[0]),
+            local_config=locs[args.layers[-1]].to_hf_dict(),
+            params_by_layers=depths,
+            full_layers=cfg.num_hidden_layers,
+            context=args.context,
+            nodes=tree_nodes(),
+            rows=rows,
+        )
+
+    rng = np.random.default_rng(0)
+    for b in args.batch:  # every depth of a batch before the next batch: a cut run keeps pairs
+        for layers in args.layers:
             for method in ("plain", "tree_wy"):
                 spec = SpecConfig(method="ngram", tree=TREE) if method == "tree_wy" else None
                 llm = LLM(
-                    model,
+                    models[layers],
                     args.memory_budget,
                     speculative=spec,
                     max_num_seqs=b,
@@ -351,23 +366,11 @@ def shard_mode(args) -> dict:
                            accept=acc, kernels=getattr(llm.runner, "kernels", "?"))  # fmt: skip
                 rows.append(row)
                 log(f"{layers} layers, B {b} {method}: step {step * 1e3:.2f} ms")
+                write_json(args.json or RESULTS / "shard_h200.json", doc())  # each row kept
                 del llm
                 gc.collect()
-        del model
-        gc.collect()
-    doc = dict(
-        config=CONFIG,
-        device=str(jax.devices()[0]),
-        local_config=loc.to_hf_dict(),
-        params_by_layers=depths,
-        full_layers=cfg.num_hidden_layers,
-        context=args.context,
-        nodes=tree_nodes(),
-        rows=rows,
-    )
     print(markdown_table(rows, ["layers", "batch", "method", "step_s", "accept", "kernels"]))
-    write_json(args.json or RESULTS / "shard_h200.json", doc)
-    return doc
+    return doc()
 
 
 def shard_step(shard: dict, batch: int, method: str) -> float | None:
