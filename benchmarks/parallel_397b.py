@@ -530,8 +530,8 @@ ASSUMPTIONS = f"""Assumptions:
   its arena and kernels, cut to 4 and 8 layers and extrapolated linearly to 60, so the
   engine's fixed per-step cost is counted once) in place of the floor, plus the same
   collective time; its routed experts take ceil(10 x 64 / 512) = 2 pairs per token (a
-  device's share when routing is balanced; the replicated-token expert parallelism computes
-  all 10 pairs, the other devices' at weight 0).
+  device's share when routing is balanced; under expert parallelism a device computes only
+  the pairs of its own experts and drops the others).
 """
 
 

@@ -7,7 +7,9 @@ For ``x: [M, H]``, routing weights ``w: [M, k]``, expert ids ``e: [M, k]`` and e
 
 Dropless and exact: every token-expert pair is computed, whatever the load on an expert
 (no capacity factor, no token dropping); the cost scales with ``M * k``, not with ``E``. A
-token may name the same expert twice (both pairs count).
+token may name the same expert twice (both pairs count). A pair whose expert id lies outside
+``[0, E)`` adds nothing and costs no expert work on any path: expert parallelism hands a
+device the pairs of other devices' experts that way.
 
 ``impl="xla"`` sorts the ``M * k`` pairs by expert (a stable argsort, so within an expert pairs
 keep token order) and runs the three projections as grouped matmuls (``lax.ragged_dot``) over
@@ -28,6 +30,7 @@ from jaxtyping import Array, Float, Int
 
 from gdn_jax._prep import as_arrays
 from gdn_jax.dispatch import pallas_op, resolve_impl
+from pallas_kernels.moe._common import sort_pairs
 
 
 def _fail(arg: str, rule: str) -> None:
@@ -87,9 +90,9 @@ def routed_experts(
 ) -> Float[Array, "M H"]:
     """``out[m] = sum_j weights[m, j] * expert_{experts[m, j]}(x[m])`` (module docstring).
 
-    ``expert_e(v) = (silu(v gate_proj[e]) * (v up_proj[e])) down_proj[e]``. Expert ids must lie
-    in ``[0, E)``. ``x`` is cast to the expert weights' dtype; the result ``[M, H]`` has the
-    expert weights' dtype. ``impl``: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"pallas_tpu"``.
+    ``expert_e(v) = (silu(v gate_proj[e]) * (v up_proj[e])) down_proj[e]``. A pair whose id lies
+    outside ``[0, E)`` is dropped (adds nothing). ``x`` is cast to the expert weights' dtype;
+    the result ``[M, H]`` has the expert weights' dtype. ``impl``: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"pallas_tpu"``.
     """
     x, weights, experts, gate_proj, up_proj, down_proj = as_arrays(
         x, weights, experts, gate_proj, up_proj, down_proj
@@ -116,16 +119,14 @@ def _routed_xla(x, weights, experts, gate_proj, up_proj, down_proj):
     rounded to the weights' dtype), the routing weight applied to the down projection's rows in
     that dtype, and a scatter-add of the rows into their tokens."""
     m, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order, sizes, valid = sort_pairs(experts, gate_proj.shape[0])
     token = order // k
-    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
     prec = _precision(gate_proj.dtype)
     xs = x[token].astype(gate_proj.dtype)
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_proj, sizes, precision=prec))
     h = h * jax.lax.ragged_dot(xs, up_proj, sizes, precision=prec)
     y = jax.lax.ragged_dot(h, down_proj, sizes, precision=prec)
-    y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+    y = jnp.where(valid[:, None], y * weights.reshape(-1)[order][:, None].astype(y.dtype), 0)
     return jnp.zeros((m, x.shape[-1]), y.dtype).at[token].add(y)
 
 

@@ -17,8 +17,9 @@ Mesh axes: ``data`` (independent engine replicas, each over one row of the mesh)
 - **MLP** (dense, and the MoE's shared expert): ``gate_proj``/``up_proj`` rows and
   ``down_proj`` columns, when the intermediate size divides (replicated otherwise);
 - **routed experts**: with expert parallelism the experts split over ``tensor`` (each device
-  holds ``E / tp`` whole experts; every device sees every token and computes its own experts'
-  pairs, the others weighted 0: replicated tokens); without it, every expert's intermediate
+  holds ``E / tp`` whole experts; every device sees every token and computes only its own
+  experts' pairs, the others dropped (an id past its experts): replicated tokens, no
+  all-to-all, about ``M k / tp`` pairs a device under balanced routing); without it, every expert's intermediate
   dimension splits (``gate_proj``/``up_proj`` ``[E, H, I]`` on ``I``, ``down_proj`` on its
   ``I``). Either way the block (routed plus shared expert) ends in one ``psum``
   (:class:`MoEParallel`);
@@ -322,11 +323,11 @@ class MoEParallel:
         impl = moe.impl
 
         def local(x, w, e, gate, gw, uw, dw, sg, su, sd):
-            if ep:  # this device's experts; the other pairs weigh 0 on local expert 0
+            if ep:  # this device's experts; the other pairs get an id past them: dropped
                 le = e - jax.lax.axis_index(ax) * local_experts
                 mine = (le >= 0) & (le < local_experts)
                 w = jnp.where(mine, w, jnp.zeros_like(w))
-                e = jnp.where(mine, le, 0)
+                e = jnp.where(mine, le, local_experts)
             k = e.shape[1]
             if k > gw.shape[0]:  # fewer local experts than picks: one pair per row
                 rows = routed_experts(

@@ -120,3 +120,16 @@ def combine(y_pairs: jax.Array, valid: jax.Array, m: int, k: int, dtype) -> jax.
     f32 and cast to ``dtype``; ``y_pairs [M * k, H]`` already carries the routing weights."""
     y = y_pairs.reshape(m, k, -1).astype(F32)
     return jnp.sum(jnp.where(valid.reshape(m, k, 1), y, 0.0), axis=1).astype(dtype)
+
+
+def sort_pairs(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(order, sizes, valid)`` of the ``M * k`` pairs of ``experts [M, k]``: ``order`` sorts
+    them by expert (stable, so within an expert in token order), the pairs with ids outside
+    ``[0, E)`` last, past every group; ``sizes [E]`` counts each expert's pairs; ``valid`` marks
+    the sorted pairs with ids in range."""
+    flat = experts.reshape(-1).astype(jnp.int32)
+    ok = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(ok, flat, num_experts)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    return order, sizes, ok[order]

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._wy import F32
-from pallas_kernels.moe._common import check_moe_inputs, combine, swiglu
+from pallas_kernels.moe._common import check_moe_inputs, combine, sort_pairs, swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +105,9 @@ def routed_experts_mgpu(
         max_concurrent_steps=blocks.max_concurrent_steps,
         grid_block_n=blocks.grid_block_n,
     )
-    flat = experts.reshape(-1).astype(jnp.int32)
+    order, sizes, _ = sort_pairs(experts, e)  # invalid ids sort last, past every group
+    flat = experts.reshape(-1)
     valid = (flat >= 0) & (flat < e)
-    key = jnp.where(valid, flat, e)  # invalid ids sort last, past every group
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
     xs = x[order // k].astype(gate.dtype)
     g = rd(xs, gate, group_sizes=sizes)
     u = rd(xs, up, group_sizes=sizes)

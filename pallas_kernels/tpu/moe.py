@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+from pallas_kernels.moe._common import sort_pairs
 from pallas_kernels.tpu._common import F32, interpret_params
 
 TILE = 512
@@ -64,10 +65,8 @@ def routed_experts_gmm(
     m, k = experts.shape
     e, h, i = gate_proj.shape
     dtype = gate_proj.dtype
-    flat = experts.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True)
+    order, sizes, valid = sort_pairs(experts, e)  # ids outside [0, E) last, dropped
     token = order // k
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     rows = m * k
     tm = min(block_m, -(-rows // 16) * 16)
     padded = -(-rows // tm) * tm
@@ -80,5 +79,5 @@ def routed_experts_gmm(
 
     hid = jax.nn.silu(mm(xs, gate_proj, h, i).astype(F32)).astype(dtype) * mm(xs, up_proj, h, i)
     y = mm(hid, down_proj, i, h)[:rows]
-    y = y * weights.reshape(-1)[order][:, None].astype(dtype)
+    y = jnp.where(valid[:, None], y * weights.reshape(-1)[order][:, None].astype(dtype), 0)
     return jnp.zeros((m, h), dtype).at[token].add(y)

@@ -117,6 +117,31 @@ def test_pallas_many_tokens():
     check_against_f64("skewed", 90, 5, "pallas", jnp.float32)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_tpu"])
+def test_out_of_range_ids_are_dropped(impl):
+    """Pairs whose expert id lies outside ``[0, E)`` (``-1``, ``E``, far past: what expert
+    parallelism hands a device for other devices' experts) add nothing on every path: the
+    result is float64's with those pairs removed, and differs from keeping them."""
+    rng = np.random.default_rng(11)
+    m = 7
+    experts, weights = make_routing("duplicates", m, K, E, rng)
+    dtype = jnp.bfloat16 if impl == "pallas_tpu" else jnp.float32  # gmm takes 2-byte weights
+    x = jnp.asarray(rng.normal(size=(m, H)), dtype)
+    gate, up, down = make_experts(rng, dtype=dtype)
+    drop = rng.random(experts.shape) < 0.4
+    drop[0] = True  # a token with every pair dropped
+    bad = np.where(drop, rng.choice([-1, E, 4 * E], experts.shape), experts).astype(np.int32)
+    w = jnp.asarray(weights, dtype)
+    out = routed_experts(x, w, bad, gate, up, down, impl=impl)
+    f32 = lambda a: jnp.asarray(a).astype(jnp.float32)
+    kept = routed64(f32(x), np.where(drop, 0.0, f32(w)), np.where(drop, 0, experts), gate, up, down)
+    every = routed64(f32(x), f32(w), experts, gate, up, down)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    assert rel_err(out, kept) < tol, rel_err(out, kept)
+    assert rel_err(out, every) > 10 * tol
+    assert not np.asarray(out[0], np.float32).any()
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     kind=st.sampled_from(ROUTINGS),
