@@ -170,7 +170,7 @@ class GatedDeltaNet(nnx.Module):
                 beta,
                 ssm_state,
                 use_qk_l2norm=True,
-                impl="xla" if self.impl == "xla" else "auto",
+                impl=self.impl if self.impl in ("xla", "pallas_tpu") else "auto",
             )
         else:
             o, new_ssm = chunk_gated_delta_rule(

@@ -72,15 +72,18 @@ def param_count(model: nnx.Module) -> int:
 
 
 def set_kernel_impl(model: nnx.Module, impl: str) -> None:
-    """Sets the ``impl`` (``"auto"``, ``"xla"`` or ``"pallas"``) of every kernel-routed op the
-    model's layers call: ``chunk_gated_delta_rule`` and ``tree_verify`` in the GDN layers,
-    ``routed_experts`` in the MoE layers (``tree_commit`` takes it from
-    :func:`gdn_jax.models.steps.commit`'s ``impl``)."""
+    """Sets the ``impl`` (``"auto"``, ``"xla"``, ``"pallas"`` or ``"pallas_tpu"``) of every
+    kernel-routed op the model's layers call: ``chunk_gated_delta_rule``, ``tree_verify`` and
+    the token loop ``recurrent_gated_delta_rule`` in the GDN layers (``"pallas"`` leaves the
+    token loop on ``"auto"``: no GPU kernel takes it), ``routed_experts`` in the MoE layers
+    (``tree_commit`` takes it from :func:`gdn_jax.models.steps.commit`'s ``impl``).
+    ``"pallas_tpu"`` runs the TPU kernels (TPU interpret mode off a TPU); its MoE route takes
+    bf16 or f16 weights only."""
     from gdn_jax.models.gdn import GatedDeltaNet
     from gdn_jax.models.moe import SparseMoE
 
-    if impl not in ("auto", "xla", "pallas"):
-        raise ValueError(f"impl: must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    if impl not in ("auto", "xla", "pallas", "pallas_tpu"):
+        raise ValueError(f"impl: must be 'auto', 'xla', 'pallas' or 'pallas_tpu', got {impl!r}")
     for _, module in nnx.iter_graph(model):
         if isinstance(module, GatedDeltaNet | SparseMoE):
             module.impl = impl

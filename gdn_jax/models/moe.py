@@ -42,7 +42,7 @@ class SparseMoE(nnx.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.impl = impl  # routed_experts' impl: "auto" | "xla" | "pallas"
+        self.impl = impl  # routed_experts' impl: "auto" | "xla" | "pallas" | "pallas_tpu"
         # "model": the router's top-k; "balanced": gdn_jax.moe.balanced_route (benchmarks of
         # random weights: set_moe_routing)
         self.routing = "model"
@@ -56,7 +56,11 @@ class SparseMoE(nnx.Module):
         if self.routing == "balanced":
             return balanced_route(raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype)
         return route_topk(
-            raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype, impl=self.impl
+            raw,
+            self.top_k,
+            normalize=self.norm_topk_prob,
+            dtype=raw.dtype,
+            impl="auto" if self.impl == "pallas_tpu" else self.impl,  # no TPU router kernel
         )
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:

@@ -14,7 +14,8 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn_jax.models import ModelConfig, abstract_model, init_random, param_count
+from gdn_jax.models import ModelConfig, abstract_model, init_random, param_count, steps
+from gdn_jax.models.cache import init_cache
 from gdn_jax.models.config import FULL, LINEAR
 from gdn_jax.models.gdn import GatedDeltaNet
 from gdn_jax.models.model import set_kernel_impl
@@ -131,3 +132,22 @@ def test_set_kernel_impl():
     assert kinds == {GatedDeltaNet, SparseMoE} and {m.impl for m in layers} == {"xla"}
     with pytest.raises(ValueError, match="impl"):
         set_kernel_impl(model, "triton")
+
+
+def test_model_on_tpu_kernels_matches_xla():
+    """``set_kernel_impl(model, "pallas_tpu")``: the chunked prefill, the token loop and the
+    routed experts run the TPU kernels (TPU interpret mode here) and give the XLA path's logits
+    to bf16 rounding, for a prompt and for one more token after it."""
+    model = init_random(TINY_MOE, jnp.bfloat16, seed=5)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 12)), jnp.int32)
+
+    def run(impl):
+        set_kernel_impl(model, impl)
+        cache = init_cache(model.config, 2, max_len=16, page_size=4, dtype=jnp.bfloat16)
+        prompt, cache = steps.prefill(model, ids[:, :11], cache, all_logits=True)
+        step, _ = steps.decode(model, ids[:, 11], cache)
+        return np.asarray(prompt, np.float32), np.asarray(step, np.float32)
+
+    for got, want in zip(run("pallas_tpu"), run("xla"), strict=True):
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() / np.abs(want).max() < 3e-2
