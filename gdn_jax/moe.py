@@ -92,7 +92,8 @@ def routed_experts(
 
     ``expert_e(v) = (silu(v gate_proj[e]) * (v up_proj[e])) down_proj[e]``. A pair whose id lies
     outside ``[0, E)`` is dropped (adds nothing). ``x`` is cast to the expert weights' dtype;
-    the result ``[M, H]`` has the expert weights' dtype. ``impl``: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"pallas_tpu"``.
+    the result ``[M, H]`` has the expert weights' dtype. ``impl``: ``"auto"``, ``"xla"``,
+    ``"pallas"`` or ``"pallas_tpu"``.
     """
     x, weights, experts, gate_proj, up_proj, down_proj = as_arrays(
         x, weights, experts, gate_proj, up_proj, down_proj
