@@ -134,6 +134,11 @@ def test_set_kernel_impl():
         set_kernel_impl(model, "triton")
 
 
+# jitted, as the TPU interpret mode's callbacks expect (eager op-by-op steps can deadlock them)
+PREFILL = nnx.jit(steps.prefill, static_argnames="all_logits")
+DECODE = nnx.jit(steps.decode)
+
+
 def test_model_on_tpu_kernels_matches_xla():
     """``set_kernel_impl(model, "pallas_tpu")``: the chunked prefill, the token loop and the
     routed experts run the TPU kernels (TPU interpret mode here) and give the XLA path's logits
@@ -144,8 +149,8 @@ def test_model_on_tpu_kernels_matches_xla():
     def run(impl):
         set_kernel_impl(model, impl)
         cache = init_cache(model.config, 2, max_len=16, page_size=4, dtype=jnp.bfloat16)
-        prompt, cache = steps.prefill(model, ids[:, :11], cache, all_logits=True)
-        step, _ = steps.decode(model, ids[:, 11], cache)
+        prompt, cache = PREFILL(model, ids[:, :11], cache, all_logits=True)
+        step, _ = DECODE(model, ids[:, 11], cache)
         return np.asarray(prompt, np.float32), np.asarray(step, np.float32)
 
     for got, want in zip(run("pallas_tpu"), run("xla"), strict=True):
