@@ -49,7 +49,9 @@
 #                       weights, n-gram drafting; DTYPE (bfloat16), KERNELS (auto), LIMIT (330 s;
 #                       float32 needs ~500); JAX_DEFAULT_MATMUL_PRECISION=highest is named too
 #   draft_logits        draft_logits: the drafting program, XLA and auto kernels
-#   spec_step           spec_step: the one-program speculative step against a decode step
+#   spec_step           spec_step: the one-program speculative step against a decode step;
+#                       KERNELS (auto; a comma list runs each), BATCH (1,8), LIMIT (560 s each:
+#                       engine build and compile take ~100 s at B 1 and over 130 s at B 8)
 #   routes_check        routes_check: impl="auto" and "pallas" against "xla"
 #   arena_read_decode   arena_read: a decode step's GDN states through the arena
 #   arena_read_prefill  arena_read: a prefill chunk's GDN states through the arena
@@ -230,9 +232,10 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
       --max-tokens 32 --kernels "$kernels" --compile-cache "" --json "$(json serving "$name")"
     ;;
   spec_step)
-    for k in xla auto; do
-      TAILN=6 run 200 spec_step "h200_$k" python3 -m benchmarks.spec_step --kernels "$k" \
-        --batch 1,8 --reps 50 --json "$(json spec_step "h200_$k")"
+    local ks=${KERNELS:-auto}
+    for k in ${ks//,/ }; do
+      TAILN=6 run "${LIMIT:-560}" spec_step "h200_$k" python3 -m benchmarks.spec_step \
+        --kernels "$k" --batch "${BATCH:-1,8}" --reps 50 --json "$(json spec_step "h200_$k")"
     done
     ;;
   draft_logits)

@@ -325,9 +325,7 @@ class MoEParallel:
         def local(x, w, e, gate, gw, uw, dw, sg, su, sd):
             if ep:  # this device's experts; the other pairs get an id past them: dropped
                 le = e - jax.lax.axis_index(ax) * local_experts
-                mine = (le >= 0) & (le < local_experts)
-                w = jnp.where(mine, w, jnp.zeros_like(w))
-                e = jnp.where(mine, le, local_experts)
+                e = jnp.where((le >= 0) & (le < local_experts), le, local_experts)
             k = e.shape[1]
             if k > gw.shape[0]:  # fewer local experts than picks: one pair per row
                 rows = routed_experts(
