@@ -20,8 +20,8 @@ Mesh axes: ``data`` (independent engine replicas, each over one row of the mesh)
   holds ``E / tp`` whole experts; every device sees every token and computes only its own
   experts' pairs, the others dropped (an id past its experts): replicated tokens, no
   all-to-all, about ``M k / tp`` pairs a device under balanced routing); without it, every
-  expert's intermediate dimension splits (``gate_proj``/``up_proj`` ``[E, H, I]`` on ``I``, ``down_proj`` on its
-  ``I``). Either way the block (routed plus shared expert) ends in one ``psum``
+  expert's intermediate dimension splits (``gate_proj``/``up_proj`` ``[E, H, I]`` on ``I``,
+  ``down_proj`` on its ``I``). Either way the block (routed plus shared expert) ends in one ``psum``
   (:class:`MoEParallel`);
 - **embeddings and LM head**: split over the vocabulary when it divides, else replicated;
   norms, the router, the shared-expert gate and the MTP head's ``fc`` are replicated.

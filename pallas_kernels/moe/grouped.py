@@ -45,6 +45,7 @@ from pallas_kernels.moe._common import (
     combine,
     fit_block,
     mm,
+    sort_pairs,
     swiglu,
     weight_precision,
 )
@@ -101,10 +102,9 @@ def make_plan(weights, experts, num_experts: int, bm: int) -> Plan:
     rows = nb * bm
     flat = experts.reshape(-1).astype(jnp.int32)
     valid = (flat >= 0) & (flat < num_experts)
-    key = jnp.where(valid, flat, num_experts)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # sorted position -> pair
-    se = key[order]
-    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    order, sizes, ok = sort_pairs(experts, num_experts)  # order: sorted position -> pair
+    order = order.astype(jnp.int32)
+    se = jnp.where(ok, flat[order], num_experts)  # sorted expert ids, E for invalid ones
     nblk = (sizes + bm - 1) // bm
     block_start = jnp.cumsum(nblk) - nblk
     group_start = jnp.cumsum(sizes) - sizes
