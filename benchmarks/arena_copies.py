@@ -9,6 +9,9 @@ served for a few tokens (plain decoding and tree WY speculation) to capture each
 arguments; each program is then compiled again and its optimized HLO searched for copies of
 the arena's shape, with XLA's memory analysis (scratch bytes against the arena's) and the
 number of kernels the program launches (fusions and custom calls of its entry computation).
+The programs: the runner's prefill, decode, verify and commit, and the one-program
+speculative step (``spec_step``: draft levels, verify, acceptance, commit and the draft
+model's catch-up prefill, with a 4-layer draft model in the same arena).
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ def capture(runner) -> dict:
     return seen
 
 
+def capture_spec(speculator) -> dict:
+    """Wraps the speculator's step programs; returns the dict the last step's arguments land
+    in (as ``_spec_step``)."""
+    seen: dict = {}
+    for key, fn in list(speculator._programs.items()):
+
+        def wrap(*a, _fn=fn, **k):
+            seen["_spec_step"] = (_fn, a, k)
+            return _fn(*a, **k)
+
+        speculator._programs[key] = wrap
+    return seen
+
+
 def launches(hlo: str) -> int:
     """Kernel launches of the entry computation: its fusions and custom calls (Pallas kernels,
     GEMMs); the loops' bodies (none on the GPU's arena programs) are not counted."""
@@ -69,8 +86,14 @@ def main(argv=None) -> list[dict]:
     cfg.update(SMOKE, vocab_size=512, num_hidden_layers=args.layers, mtp_num_hidden_layers=0)
     cfg.pop("layer_types", None)
     model = load_model(cfg, "bfloat16")
+    draft = load_model({**cfg, "num_hidden_layers": 4}, "bfloat16")
     rows = []
-    for spec in (None, SpecConfig(method="ngram", tree=(2, 2), verify="wy")):
+    specs = (
+        None,
+        SpecConfig(method="ngram", tree=(2, 2), verify="wy"),
+        SpecConfig(method="draft_model", draft_model=draft, tree=(2, 2), verify="wy"),
+    )
+    for spec in specs:
         llm = LLM(
             model,
             speculative=spec,
@@ -82,16 +105,18 @@ def main(argv=None) -> list[dict]:
             memory_budget=ARENA,
         )
         runner = llm.engine.runner
-        if spec is not None:
+        if spec is not None and spec.method == "ngram":
             llm.engine.device_spec = None  # the runner's verify and commit programs
         seen = capture(runner)
+        if spec is not None and spec.method == "draft_model":
+            seen = capture_spec(llm.engine.device_spec)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(1, 500, 20).tolist() for _ in range(4)]
         llm.generate(prompts, SamplingParams(max_tokens=4))
         shape = tuple(runner.manager.arena.buffer.shape)
         arena_bytes = runner.manager.arena.buffer.nbytes
         for name, (fn, a, k) in seen.items():
-            if spec is not None and name in ("_prefill", "_decode"):
+            if spec is not None and spec.method == "ngram" and name in ("_prefill", "_decode"):
                 continue
             compiled = fn.lower(*a, **k).compile()
             hlo = compiled.as_text()

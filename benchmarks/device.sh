@@ -44,7 +44,8 @@
 #                       one split, accuracy against float64 first (B 1/16/64, context 512/4096)
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
-#   serving_auto        serving: the same with the arena Pallas kernels (~250 s)
+#   serving_auto        serving: the same with the arena Pallas kernels (~270 s); both report
+#                       the median of 5 timed runs per engine
 #   serving_35b_8l      serving: the bench at Qwen3.5-35B-A3B's dims cut to 8 layers, random
 #                       weights, n-gram drafting; DTYPE (bfloat16), KERNELS (auto), LIMIT (330 s;
 #                       float32 needs ~500); JAX_DEFAULT_MATMUL_PRECISION=highest is named too
@@ -217,7 +218,7 @@ step() {
   serving_xla | serving_auto)
     local k=${1#serving_}
     TAILN=8 run 300 serving "h200_$k" python3 -m serving bench --kernels "$k" --compile-cache "" \
-      --json "$(json serving "h200_$k")"
+      --repeats 5 --json "$(json serving "h200_$k")"
     ;;
   serving_35b_8l)
     local dtype=${DTYPE:-bfloat16} kernels=${KERNELS:-auto}

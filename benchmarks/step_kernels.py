@@ -10,7 +10,11 @@ for abstract arguments (no weights are made: ``nnx.eval_shape``) with the GPU ro
 an H200 target on this machine (a deviceless compile, as ``benchmarks/compile_report.py
 --xla``) and counted: the kernel launches of the program's entry computation (fusions, custom
 calls, sorts and copies), how many of them are Pallas (Triton) kernels and GEMM library calls,
-and the launches per layer. A step's cost at small batch follows its launch count
+the launches per layer, and the copies of the whole arena (each should be 0: every program
+updates the donated arena in place). ``--spec-batch B`` adds the one-program speculative step
+of the shipped tiny pair (:mod:`serving.spec_device`: draft-model drafting of ``--spec-tree``,
+verify, acceptance, commit, the draft's catch-up) at batch ``B``, its arguments captured from
+a short CPU run of the engine and its kernels re-chosen as on a GPU. A step's cost at small batch follows its launch count
 (``benchmarks/README.md#model_step``), so this is how a change to the model's structure is
 checked before it reaches the GPU. XLA cannot autotune without a GPU, so its GEMM choices (and
 a few fusions) may differ from a build on the device; the counts track the device's to within a
@@ -56,7 +60,10 @@ def entry_launches(hlo: str) -> dict:
             target = target.group(1) if target else "?"
             kinds["pallas" if "triton" in target else "gemm" if "blas" in target else "other"] += 1
         elif " fusion(" in line:
-            kinds["gemm" if "gemm_fusion" in line or "__triton_gemm" in line else "fusion"] += 1
+            # a GEMM fusion by its own name or kind, not by an operand's name
+            name = line.split("=", 1)[0].split()[-1]
+            gemm = name.startswith("%gemm_fusion") or re.search(r'"kind":"__triton\w*gemm', line)
+            kinds["gemm" if gemm else "fusion"] += 1
         elif " sort(" in line or " copy(" in line:
             kinds["other"] += 1
     return dict(launches=sum(kinds.values()), **{k: kinds.get(k, 0) for k in KINDS})
@@ -80,6 +87,84 @@ def _as_gpu():
         yield
 
 
+def arena_copies(hlo: str) -> int:
+    """Copies of the whole arena (the entry computation's ``buf`` parameter's shape)."""
+    m = re.search(r"%buf[.\w]* = (u32\[[\d,]+\])\{[\d,]+\} parameter", hlo)
+    if m is None:
+        return 0
+    return sum(1 for line in hlo.splitlines() if f"= {m.group(1)}" in line and " copy(" in line)
+
+
+def spec_step_program(batch: int, tree: tuple[int, ...], sharding):
+    """``(program, abstract args)`` of the tiny pair's one-program speculative step at
+    ``batch`` rows (draft model, static ``tree``, greedy), with the arena kernels and model
+    routes an H200 takes under ``kernels="auto"``."""
+    import dataclasses
+
+    import numpy as np
+
+    from benchmarks.common import frees_deferred
+    from gdn_jax.models.model import set_kernel_impl
+    from serving import runner as R
+    from serving import spec_device
+    from serving.bench import ASSETS, stdlib_prompts
+    from serving.kernels import select_kernels
+    from serving.llm import LLM, load_model
+    from serving.params import SamplingParams, SpecConfig
+
+    model, draft = (
+        load_model(ASSETS / "target", jnp.float32),
+        load_model(ASSETS / "draft", jnp.float32),
+    )
+    spec = SpecConfig(method="draft_model", draft_model=draft, tree=tree, verify="wy")
+    llm = LLM(
+        model, speculative=spec, max_num_seqs=batch, batch_buckets=(batch,), max_model_len=176,
+        prefill_chunk=64, dtype="float32", kernels="xla",
+    )  # fmt: skip
+    engine, runner = llm.engine, llm.engine.runner
+    ds, seen = engine.device_spec, {}
+
+    def capture(*a, **k):
+        seen["args"] = a
+        return ds(*a, **k)
+
+    engine.device_spec = capture
+    with frees_deferred(engine.sched.manager):
+        llm.generate(stdlib_prompts(batch, 96), SamplingParams(max_tokens=4))
+    engine.device_spec = ds
+
+    def on_gpu(graphdef, state):  # the model's own routes as under kernels="auto" on a GPU
+        m = nnx.merge(graphdef, state)
+        set_kernel_impl(m, "auto")
+        return nnx.split(m)[0]
+
+    dr = ds.draft_runner
+    key = dataclasses.replace(
+        ds.key,
+        target=on_gpu(ds.key.target, runner._state.state()),
+        draft=on_gpu(ds.key.draft, ds._dstate.state()),
+        target_kernels=select_kernels("auto", ds.key.target_spec, runner.config, "gpu")[0],
+        draft_kernels=select_kernels("auto", ds.key.draft_spec, dr.config, "gpu")[0],
+        commit_impl="auto",
+        sampling=False,
+    )
+
+    def sds(x):
+        if isinstance(x, R.FlatState):
+            return R.FlatState(x.treedef, [sds(leaf) for leaf in x.leaves])
+        x = x if hasattr(x, "dtype") else np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p = seen["args"]
+    nodes = np.zeros((batch, ds.num_nodes), np.int32)
+    hidden = np.zeros((batch, runner.config.hidden_size), np.float32)
+    args = (
+        runner._state, ds._dstate, runner._buf, runner.table(), handles, pages, lengths, root,
+        nodes, nodes, hidden, scratch, seeds, temp, top_k, top_p,
+    )  # fmt: skip
+    return spec_device._program(key).graphs, [sds(x) for x in args]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.step_kernels",
@@ -91,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=ints, default=[1, 16], help="decode batch sizes")
     ap.add_argument("--tree-sizes", type=ints, default=[29], help="verify tree sizes N")
     ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per row")
+    ap.add_argument(
+        "--spec-batch",
+        type=int,
+        help="also the tiny pair's one-program speculative step at this batch (default: none)",
+    )
+    ap.add_argument("--spec-tree", type=ints, default=[4, 2, 2], help="its tree (default: 4,2,2)")
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -152,18 +243,24 @@ def main(argv: list[str] | None = None) -> dict:
     progs.append((f"commit B {b0}", commit, (*arena, *rows(b0), *path), {}))
     chunk = (sds((b0, args.chunk), i32), sds((b0,), i32))
     progs.append((f"prefill {args.chunk}, B {b0}", prefill, (flat, *arena, *rows(b0), *chunk), {}))
+    progs = [(label, prog.graphs, a, kw) for label, prog, a, kw in progs]
+    if args.spec_batch:
+        tree = ",".join(map(str, args.spec_tree))
+        prog, a = spec_step_program(args.spec_batch, tuple(args.spec_tree), shd)
+        progs.append((f"spec step, tiny pair, tree {tree}, B {args.spec_batch}", prog, a, {}))
     out = []
     with _as_gpu():
         for label, prog, a, kw in progs:
             t = time.perf_counter()
-            hlo = prog.graphs.trace(*a, **kw).lower().compile().as_text()
+            hlo = prog.trace(*a, **kw).lower().compile().as_text()
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 stem = re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
                 with open(os.path.join(args.dump, f"{stem}.txt"), "w") as f:
                     f.write(hlo)
-            row = dict(program=label, **entry_launches(hlo))
-            row["per_layer"] = row["launches"] / args.layers
+            row = dict(program=label, **entry_launches(hlo), arena_copies=arena_copies(hlo))
+            if "tiny pair" not in label:
+                row["per_layer"] = row["launches"] / args.layers
             row["compile_s"] = time.perf_counter() - t
             out.append(row)
             print(
@@ -175,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     print(f"\n{name}, {args.layers} layers, H200 target, kernels {kernels.name} (deviceless)\n")
     cols = [("program", "program"), ("launches", "launches"), ("per_layer", "per layer")]
-    cols += [(k, k) for k in KINDS]
+    cols += [(k, k) for k in KINDS] + [("arena_copies", "arena copies")]
     print(markdown_table(out, cols, digits=4))
     if args.json:
         write_json(args.json, doc)

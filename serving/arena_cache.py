@@ -163,6 +163,13 @@ class ArenaCache:
     def with_gdn_state(self, gi: int, conv: jax.Array, ssm: jax.Array) -> ArenaCache:
         sp = self.spec
         seg, word = self._state_lookup(fresh=False)
+        if not self.defer:
+            # the new states are computed from reads of this buffer: behind one barrier with
+            # it, every such read runs before the two writes, which then update it in place
+            # (else XLA may fuse a read into the second write, after the first one, and copy
+            # the whole arena to keep the value it reads)
+            buf, conv, ssm = jax.lax.optimization_barrier((self.buffer, conv, ssm))
+            self = dataclasses.replace(self, buffer=buf)
         cache = self._write(
             seg,
             word + sp.state_offset + gi * sp.state_words,
@@ -204,6 +211,8 @@ class ArenaCache:
         kn = self.kernels
         if not kn.gdn or not kn.takes(n, "GDN tree verify"):
             return None
+        if kn.tpu:
+            return self._tpu_tree_rule(gi)
         from gdn_jax.pallas_routes import verify_blocks_for
         from pallas_kernels.verify import arena as verify_arena
 
@@ -224,6 +233,45 @@ class ArenaCache:
 
         return rule
 
+    def _tpu_tree_rule(self, gi: int) -> TreeRule:
+        """:meth:`gdn_tree_rule` on the TPU kernel (:func:`pallas_kernels.tpu.tree_verify_arena`)."""
+        from pallas_kernels.tpu import tree_verify_arena
+
+        def rule(q, k, v, g, beta, parents, *, use_qk_l2norm: bool):
+            o, u, g_path = tree_verify_arena(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                parents,
+                **self._gdn_kernel_args(gi, fresh=True),
+                use_qk_l2norm=use_qk_l2norm,
+            )
+            return o, TreeCache(u, k, g_path, parents.astype(jnp.int32), use_qk_l2norm)
+
+        return rule
+
+    def _plain_step_rule(self, gi: int, kernel) -> SequenceRule:
+        """:meth:`gdn_step_rule`'s plain form on ``kernel`` (the GPU
+        :func:`pallas_kernels.decode.arena.recurrent_step` or the TPU
+        :func:`pallas_kernels.tpu.recurrent_step_arena`, one signature)."""
+
+        def rule(q, k, v, g, beta, *, use_qk_l2norm: bool):
+            o, buf = kernel(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                g[:, 0],
+                beta[:, 0],
+                **self._gdn_kernel_args(gi, fresh=False),
+                use_qk_l2norm=use_qk_l2norm,
+                zero_state=self.lengths <= 0,
+            )
+            return o[:, None], dataclasses.replace(self, buffer=buf)
+
+        return rule
+
     def gdn_step_rule(self, gi: int) -> SequenceRule | None:
         """The one-token (decode) rule of GDN layer ``gi`` reading and writing its recurrent
         state in place (:func:`pallas_kernels.decode.arena.recurrent_step`, the arena aliased):
@@ -241,21 +289,14 @@ class ArenaCache:
         kn = self.kernels
         if not kn.decode:
             return None
+        if kn.tpu:  # the plain form only: the model forms q, k, v and the gates, XLA the conv
+            from pallas_kernels.tpu import recurrent_step_arena
+
+            return self._plain_step_rule(gi, recurrent_step_arena)
         from pallas_kernels.decode.arena import recurrent_step, recurrent_step_mixed
         from pallas_kernels.decode.conv import conv_step
 
-        def rule(q, k, v, g, beta, *, use_qk_l2norm: bool):
-            o, buf = recurrent_step(
-                q[:, 0],
-                k[:, 0],
-                v[:, 0],
-                g[:, 0],
-                beta[:, 0],
-                **self._gdn_kernel_args(gi, fresh=False),
-                use_qk_l2norm=use_qk_l2norm,
-                zero_state=self.lengths <= 0,
-            )
-            return o[:, None], dataclasses.replace(self, buffer=buf)
+        rule = self._plain_step_rule(gi, recurrent_step)
 
         def step_mixed(cache, mixed, a, b, a_log, dt_bias, *, num_tokens, use_qk_l2norm):
             # the step on the layer's raw inputs in ``cache``'s arena: the kernel splits the
@@ -359,9 +400,12 @@ class ArenaCache:
         kn = self.kernels
         if not kn.gdn or not kn.takes(tc.u.shape[1], "GDN tree commit"):
             return None
-        from pallas_kernels.commit import arena as commit_arena
+        if kn.tpu:
+            from pallas_kernels.tpu import tree_commit_arena as commit
+        else:
+            from pallas_kernels.commit.arena import tree_commit as commit
 
-        buf = commit_arena.tree_commit(
+        buf = commit(
             **self._gdn_kernel_args(gi, fresh=True),
             k=tc.k,
             u=tc.u,

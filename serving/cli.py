@@ -206,6 +206,7 @@ def _bench(args) -> None:
         num_scheduler_steps=args.num_scheduler_steps,
         json_path=args.json,
         load_format="dummy" if args.config else "auto",
+        repeats=args.repeats,
     )
 
 
@@ -382,8 +383,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     v.add_argument(
         "--kernels",
         default="auto",
-        choices=("auto", "pallas", "xla"),
-        help="LLM(kernels=...) (default: %(default)s)",
+        choices=("auto", "pallas", "xla", "pallas_tpu"),
+        help="LLM(kernels=...): 'auto' the arena Pallas kernels on GPU, 'pallas' everywhere, "
+        "'pallas_tpu' the TPU GDN kernels (value head dim 128), 'xla' none "
+        "(default: %(default)s)",
     )
     v.add_argument("--compile-cache", default=CACHE, help="XLA compilation cache ('' = off)")
     v.add_argument(
@@ -416,14 +419,22 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=96, help="prompt bytes (default: 96)")
     b.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default: 48)")
     b.add_argument("--max-num-seqs", type=int, default=8, help="batch rows (default: 8)")
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per engine; the run of median time is reported (default: 1; a run of "
+        "the tiny models takes under 0.1 s on a GPU, so use 5 or more there)",
+    )
     b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     b.add_argument("--json", default=None, help="also write the rows as JSON here")
     b.add_argument(
         "--kernels",
         default="auto",
-        choices=("auto", "pallas", "xla"),
+        choices=("auto", "pallas", "xla", "pallas_tpu"),
         help="the engines' kernels (LLM(kernels=...)): 'auto' takes the arena Pallas kernels "
-        "on GPU, 'pallas' everywhere (interpret mode off GPU: slow), 'xla' none "
+        "on GPU, 'pallas' everywhere (interpret mode off GPU: slow), 'pallas_tpu' the TPU GDN "
+        "kernels (TPU interpret mode off a TPU: slow; value head dim 128), 'xla' none "
         "(default: %(default)s)",
     )
     b.add_argument(

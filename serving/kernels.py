@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from serving.arena_spec import ArenaSpec
 
-KERNEL_CHOICES = ("xla", "pallas", "auto")
+KERNEL_CHOICES = ("xla", "pallas", "auto", "pallas_tpu")
+TPU_LANES = 128  # words of one TPU lane row: the TPU arena kernels' unit of state placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,11 @@ class ArenaKernels:
     - ``prefill``: prefill's GDN layers (``T > 1`` tokens per row) by
       :mod:`pallas_kernels.decode.arena` (the initial states read, the final ones written, in
       place) instead of XLA state windows and the chunked rule;
-    - ``interpret``: run them in Pallas interpret mode (any non-GPU backend);
+    - ``tpu``: the Mosaic TPU versions of the GDN kernels (:mod:`pallas_kernels.tpu`:
+      ``tree_verify_arena``, ``tree_commit_arena``, ``recurrent_step_arena``) instead of the
+      GPU ones; attention and prefill stay on XLA;
+    - ``interpret``: run them in Pallas interpret mode (the GPU kernels off a GPU, the TPU
+      kernels in TPU interpret mode off a TPU);
     - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
       ``ValueError`` when ``strict`` (``kernels="pallas"`` asked for explicitly).
     """
@@ -58,6 +63,7 @@ class ArenaKernels:
     interpret: bool = False
     max_nodes: int = 0
     strict: bool = False
+    tpu: bool = False
 
     @property
     def name(self) -> str:
@@ -99,6 +105,32 @@ def _gdn_misfits(spec: ArenaSpec, config) -> list[str]:
     return out
 
 
+def _tpu_gdn_misfits(spec: ArenaSpec, config, unit_align_words: int) -> list[str]:
+    """Why the TPU arena GDN kernels cannot take this geometry (empty: they can): states of
+    f32 ``[Hv, K, 128]`` on whole 128-word lane rows of an arena whose units are placed at
+    multiples of 128 words (:mod:`pallas_kernels.tpu._arena`)."""
+    out = []
+    hv, dk, dv = spec.state_shape
+    if jnp.dtype(spec.state_dtype) != jnp.float32:
+        out.append(f"the recurrent state is {spec.state_dtype}; the TPU kernels read float32")
+    if dv != TPU_LANES:
+        out.append(f"linear_value_head_dim {dv} is not {TPU_LANES} (a state row per lane row)")
+    if not (8 <= dk <= 256 and dk % 8 == 0):
+        out.append(f"linear_key_head_dim {dk} is not a multiple of 8 in [8, 256]")
+    if spec.state_offset % TPU_LANES:
+        out.append(f"the recurrent state starts {spec.state_offset} words into its unit")
+    if unit_align_words % TPU_LANES:
+        out.append(
+            f"the memory manager places units at multiples of {unit_align_words} words, not "
+            f"{TPU_LANES} (MemoryManager(unit_align_words={TPU_LANES}))"
+        )
+    if jnp.dtype(spec.model_dtype) not in (jnp.float32, jnp.bfloat16):
+        out.append(f"model dtype {spec.model_dtype} is not float32 or bfloat16")
+    if config is not None and hv % config.linear_num_key_heads:
+        out.append(f"linear_num_value_heads {hv} is not a multiple of the key heads")
+    return out
+
+
 def _attention_misfits(spec: ArenaSpec, config) -> list[str]:
     """Why the arena paged tree-attention kernel cannot take this geometry."""
     out = []
@@ -113,20 +145,45 @@ def _attention_misfits(spec: ArenaSpec, config) -> list[str]:
 
 
 def select_kernels(
-    kernels: str, spec: ArenaSpec, config=None, backend: str | None = None
+    kernels: str,
+    spec: ArenaSpec,
+    config=None,
+    backend: str | None = None,
+    unit_align_words: int = 1,
 ) -> tuple[ArenaKernels, tuple[str, ...]]:
-    """Resolves ``kernels`` (``"xla"`` | ``"pallas"`` | ``"auto"``) for the arena geometry
-    ``spec`` (and the model ``config``, when given) on ``backend`` (default: JAX's).
+    """Resolves ``kernels`` (``"xla"`` | ``"pallas"`` | ``"auto"`` | ``"pallas_tpu"``) for the
+    arena geometry ``spec`` (and the model ``config``, when given) on ``backend`` (default:
+    JAX's), for an arena whose units sit at multiples of ``unit_align_words`` words.
 
     ``"auto"``: the kernels on a GPU backend where the geometry fits them (per part: GDN,
     attention), XLA elsewhere; ``"pallas"``: the kernels everywhere (interpret mode off GPU),
-    a ``ValueError`` naming ``kernels`` when the geometry does not fit. Returns the choice and
-    the reasons for every part left on XLA."""
+    a ``ValueError`` naming ``kernels`` when the geometry does not fit; ``"pallas_tpu"``: the
+    TPU GDN kernels (verify, commit, decode step; TPU interpret mode off a TPU), a
+    ``ValueError`` when the geometry does not fit them, attention on XLA. Returns the choice
+    and the reasons for every part left on XLA."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if kernels == "xla":
         return XLA_KERNELS, ()
     backend = backend or jax.default_backend()
+    if kernels == "pallas_tpu":
+        from pallas_kernels.tpu import MAX_NODES as TPU_MAX_NODES
+
+        if not spec.gdn_layers:
+            raise ValueError("kernels='pallas_tpu': the model has no GDN layers")
+        bad = _tpu_gdn_misfits(spec, config, unit_align_words)
+        if bad:
+            raise ValueError(f"kernels='pallas_tpu': {'; '.join(bad)}")
+        choice = ArenaKernels(
+            gdn=True,
+            decode=True,
+            interpret=backend != "tpu",
+            max_nodes=TPU_MAX_NODES,
+            strict=True,
+            tpu=True,
+        )
+        notes = ("attention on XLA: no TPU attention kernel reads the arena",)
+        return choice, notes if spec.attn_layers else ()
     if kernels == "auto" and backend != "gpu":
         note = (
             f"kernels='auto' on the {backend} backend: the arena Pallas kernels (Triton) are "
@@ -171,6 +228,9 @@ def select_kernels(
 def model_impl(kernels: str) -> str:
     """The ``impl`` of the model's own kernel-routed ops (``chunk_gated_delta_rule``,
     ``tree_verify``, ``tree_commit``, ``routed_experts``) under the engine's ``kernels``:
-    ``"xla"`` under ``"xla"`` and off a GPU (where ``"auto"`` is XLA anyway, so every engine on a
-    CPU shares its compiled programs), ``"auto"`` otherwise."""
+    ``"pallas_tpu"`` under ``"pallas_tpu"``, ``"xla"`` under ``"xla"`` and off a GPU (where
+    ``"auto"`` is XLA anyway, so every engine on a CPU shares its compiled programs), ``"auto"``
+    otherwise."""
+    if kernels == "pallas_tpu":
+        return "pallas_tpu"
     return "auto" if kernels != "xla" and jax.default_backend() == "gpu" else "xla"

@@ -20,7 +20,7 @@ from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
 from gdn_jax.models.loading import load_config
 from gdn_jax.models.model import set_kernel_impl
 from serving.engine import Engine, buckets_for, make_drafter
-from serving.kernels import KERNEL_CHOICES, model_impl
+from serving.kernels import KERNEL_CHOICES, TPU_LANES, model_impl
 from serving.launch import DEFAULT_GRAPH_TOKENS
 from serving.memory import MemoryManager, OutOfMemoryError, layout_for
 from serving.parallel import ParallelConfig, ReplicaEngine, ReplicaScheduler
@@ -225,10 +225,14 @@ class LLM:
         (default: on GPU the Pallas kernels that read the arena in place: tree verify,
         commit, the GDN decode step and paged attention; XLA on other backends),
         ``"pallas"`` (the same kernels everywhere, plus prefill's GDN states in place;
-        interpret mode off GPU) or ``"xla"``;
+        interpret mode off GPU), ``"pallas_tpu"`` (the Mosaic TPU GDN kernels for tree
+        verify, commit and the decode step, TPU interpret mode off a TPU; the arena's units
+        placed on 128-word lane rows; needs ``linear_value_head_dim`` 128 and one device;
+        attention on XLA) or ``"xla"``;
         see :class:`serving.runner.ArenaRunner`. The model's own kernel-routed ops (the chunked
         prefill, tree verify and commit, the MoE's routed experts) run with ``impl="xla"``
-        under ``"xla"`` and ``impl="auto"`` otherwise
+        under ``"xla"``, ``impl="pallas_tpu"`` under ``"pallas_tpu"`` and ``impl="auto"``
+        otherwise
         (:func:`gdn_jax.models.model.set_kernel_impl`).
       load_format: ``"auto"`` (default: a path must hold weights) or ``"dummy"`` (random
         weights from the path's config, vLLM's name); also used for a ``draft_model`` path.
@@ -308,8 +312,10 @@ class LLM:
             raise ValueError(f"cache must be 'arena' or 'pools', got {cache!r}")
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-        if kernels == "pallas" and cache != "arena":
-            raise ValueError("kernels='pallas' needs cache='arena' (the kernels read the arena)")
+        if kernels in ("pallas", "pallas_tpu") and cache != "arena":
+            raise ValueError(
+                f"kernels={kernels!r} needs cache='arena' (the kernels read the arena)"
+            )
         if speculative is not None and not isinstance(speculative, SpecConfig):
             raise ValueError(f"speculative must be a SpecConfig or None, got {speculative!r}")
         if load_format not in LOAD_FORMATS:
@@ -347,6 +353,11 @@ class LLM:
         self.replicas = []
         placement = None
         if self.parallel.enabled:
+            if kernels == "pallas_tpu":
+                raise ValueError(
+                    "kernels='pallas_tpu' runs on one device: the multi-device arenas are not "
+                    "laid out for the TPU kernels"
+                )
             self.parallel.check_source(model)  # before loading anything
             placement = self.parallel.placement(model_impl(kernels))
         jdtype = jnp.dtype(dtype)
@@ -422,9 +433,19 @@ class LLM:
         if memory_budget is None:
             memory_budget = 2 * max_num_seqs * per_req + (8 << 20)
         try:
-            self.manager = (placement.memory_manager if placement else MemoryManager)(
-                layout, int(memory_budget), memory_policy, segment_bytes=segment_bytes
-            )
+            if placement:
+                self.manager = placement.memory_manager(
+                    layout, int(memory_budget), memory_policy, segment_bytes=segment_bytes
+                )
+            else:  # the TPU kernels move states as whole 128-word lane rows
+                align = TPU_LANES if kernels == "pallas_tpu" else 1
+                self.manager = MemoryManager(
+                    layout,
+                    int(memory_budget),
+                    memory_policy,
+                    segment_bytes=segment_bytes,
+                    unit_align_words=align,
+                )
         except ValueError as e:
             raise ValueError(f"memory_budget / memory_policy / segment_bytes: {e}") from None
         self.layout = layout
@@ -452,7 +473,7 @@ class LLM:
         draft_runner = mtp_runner = None
         if draft_in_arena:
             # (the draft's geometry may not suit the kernels the target was forced onto)
-            draft_kernels = "auto" if kernels == "pallas" else kernels
+            draft_kernels = "auto" if kernels in ("pallas", "pallas_tpu") else kernels
             draft_runner = ArenaRunner(
                 draft,
                 self.manager,

@@ -454,7 +454,9 @@ class ArenaRunner:
         self.spec = ArenaSpec.from_layout(
             manager.layout, model.embed_tokens[...].dtype, config=config, draft=draft
         )
-        self.kernel_choice, self.kernel_notes = select_kernels(kernels, self.spec, config)
+        self.kernel_choice, self.kernel_notes = select_kernels(
+            kernels, self.spec, config, unit_align_words=getattr(manager, "unit_align_words", 1)
+        )
         self.kernels = self.kernel_choice.name  # "xla" or "pallas", as resolved
         self.commit_impl = model_impl(kernels)
         graphdef, state = nnx.split(model)

@@ -25,6 +25,13 @@ from serving.memory.errors import (
 from serving.memory.layout import KINDS
 from serving.memory.segments import SegmentMap
 
+
+def _copy_into(old: jax.Array, new: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice(old, new, (0, 0))
+
+
+_refresh = jax.jit(_copy_into, donate_argnums=0)  # ``new``'s values in ``old``'s buffer
+
 KIND_ID = {k: i for i, k in enumerate(KINDS)}  # owners store a kind as its index in KINDS
 _INTS = (int, np.integer)  # a tuple: ``int | np.integer`` would build a union on every call
 
@@ -52,6 +59,7 @@ class HandleTable:
         self.dirty: list[int] | None = []
         self._host = np.full((capacity, 2), -1, np.int32)
         self._device: jax.Array | None = None
+        self._resident: jax.Array | None = None  # the device buffer the table lives in
 
     # --------------------------------------------------------------------- issue and release
 
@@ -217,7 +225,21 @@ class HandleTable:
         return self._host
 
     def device_table(self, device: jax.Device) -> jax.Array:
-        """The translation table on ``device``, uploaded again only after a change."""
+        """The translation table on ``device``, uploaded again only after a change, into the
+        same device buffer: a program that runs as a CUDA graph re-records every command
+        whose buffers moved since its last call, and every arena kernel reads the table, so
+        a table at a new address each step would re-record most of the step's graph."""
         if self._device is None:
-            self._device = jax.device_put(self.host_table(), device)
+            host = self.host_table()
+            old = self._resident
+            if (
+                old is None
+                or old.shape != host.shape
+                or old.is_deleted()
+                or old.devices() != {device}
+            ):
+                self._resident = jax.device_put(host, device)
+            else:
+                self._resident = _refresh(old, jax.device_put(host, device))
+            self._device = self._resident
         return self._device

@@ -124,6 +124,10 @@ class MemoryManager:
         that no kind of unit costs more arena bytes than in that page (1% slack), and giving
         the most whole segments of the budget (:func:`_default_segment_words`).
       device: where the arena lives (default: first device).
+      unit_align_words: every pool's unit size (so every unit's place) and the segment size
+        are rounded up to a multiple of this many words: 128 for the TPU arena kernels, which
+        move a state as whole 128-word lane rows (:mod:`pallas_kernels.tpu._arena`); 1 packs
+        units at their natural sizes.
       **policy_args: e.g. ``ratio=0.9`` for ``static_dual``.
 
     ``pools``, ``seg_owner``, ``seg_live``, ``seg_rank``, ``seg_free``, ``seg_group`` and
@@ -139,10 +143,15 @@ class MemoryManager:
         *,
         segment_bytes: int | None = None,
         device: jax.Device | None = None,
+        unit_align_words: int = 1,
         **policy_args: Any,
     ):
         if not isinstance(layout, HybridLayout):
             raise ValueError(f"layout must be a HybridLayout, got {type(layout).__name__}")
+        if not isinstance(unit_align_words, int | np.integer) or unit_align_words < 1:
+            raise ValueError(f"unit_align_words must be a positive int, got {unit_align_words!r}")
+        self.unit_align_words = int(unit_align_words)
+        align = self.unit_align_words
         device = device or jax.devices()[0]
         if isinstance(budget_bytes, float):
             if not 0 < budget_bytes <= 1:
@@ -163,17 +172,18 @@ class MemoryManager:
 
         names = list(dict.fromkeys(self._pool_of_kind.values()))
         unit_words = {
-            n: max(self.layout.unit_words(k) for k in KINDS if self._pool_of_kind[k] == n)
+            n: -(-max(self.layout.unit_words(k) for k in KINDS if self._pool_of_kind[k] == n)
+                // align) * align
             for n in names
-        }
+        }  # fmt: skip
         biggest = max(unit_words.values())
         if segment_bytes is None:
             seg_words = _default_segment_words(unit_words, self.budget_bytes // WORD_BYTES)
         else:
-            if segment_bytes % WORD_BYTES or segment_bytes < biggest * WORD_BYTES:
+            if segment_bytes % (WORD_BYTES * align) or segment_bytes < biggest * WORD_BYTES:
                 raise ValueError(
-                    f"segment_bytes must be a multiple of {WORD_BYTES} and >= the largest unit "
-                    f"({biggest * WORD_BYTES} bytes), got {segment_bytes}"
+                    f"segment_bytes must be a multiple of {WORD_BYTES * align} and >= the "
+                    f"largest unit ({biggest * WORD_BYTES} bytes), got {segment_bytes}"
                 )
             seg_words = segment_bytes // WORD_BYTES
         num_segments = self.budget_bytes // (seg_words * WORD_BYTES)

@@ -97,12 +97,12 @@ def test_model_step_smoke(tmp_path, capsys):
 
 
 def test_arena_programs_update_the_arena_in_place():
-    """The XLA path's prefill, decode, verify and commit programs compile to no whole-arena
-    copy and scratch far below the arena's size."""
+    """The XLA path's prefill, decode, verify and commit programs and the one-program
+    speculative step compile to no whole-arena copy and scratch far below the arena's size."""
     from benchmarks import arena_copies
 
     rows = arena_copies.main(["--kernels", "xla", "--layers", "4"])
-    assert {r["program"] for r in rows} == {"prefill", "decode", "verify", "commit"}
+    assert {r["program"] for r in rows} == {"prefill", "decode", "verify", "commit", "spec_step"}
     for r in rows:
         assert r["arena_copies"] == 0, r
         assert r["temp_over_arena"] < 0.1, r
@@ -145,13 +145,15 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   %a = f32[4]{0} parameter(0)
   %f.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1
   %gemm_fusion_dot.3 = f32[4]{0} fusion(%f.1), kind=kCustom, calls=%gemm_fusion_dot.3_computation
+  %loop_pad_fusion.4 = f32[4]{0} fusion(%gemm_fusion_dot.3), kind=kLoop, calls=%fused_pad
+  %t.6 = f32[4]{0} fusion(%f.1), kind=kCustom, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
   %p.2 = f32[4]{0} custom-call(%f.1), custom_call_target="__gpu$xla.gpu.triton"
   %c.5 = f32[4]{0} custom-call(%p.2), custom_call_target="__cublas$lt$matmul"
   %s = f32[4]{0} sort(%c.5), dimensions={0}
   ROOT %y = f32[4]{0} copy(%s)
 }
 """
-    assert entry_launches(hlo) == dict(launches=6, pallas=1, gemm=2, fusion=1, other=2)
+    assert entry_launches(hlo) == dict(launches=8, pallas=1, gemm=3, fusion=2, other=2)
 
 
 def test_dispatch_smoke(tmp_path):

@@ -45,6 +45,8 @@ def test_runtime_errors_are_one_line(capsys):
     assert "budget must be an int in" in err
     err = _fail(capsys, ["generate", "--method", "none", "--max-prefill-tokens", "0"], 1)
     assert "max_prefill_tokens must be a positive int, got 0" in err
+    err = _fail(capsys, ["bench", "--repeats", "0", "--compile-cache", ""], 1)
+    assert "bench: error: repeats must be >= 1, got 0" in err
 
 
 def test_generate_prints_text_and_the_api_metrics(capsys):

@@ -108,6 +108,29 @@ def test_live_device_buffers_stay_flat_over_1000_steps():
     assert seen == {before}, f"live buffers changed: {before} -> {seen}"
 
 
+def test_device_table_stays_in_one_buffer():
+    """After allocations and frees the device table holds the host table's values in the same
+    device buffer (a CUDA graph reading it then needs no re-recording)."""
+    mm = tiny_manager("avmp", segments=5)
+    mm.alloc("a", "kv", 2)
+    first = mm.device_table()
+    ptr = first.unsafe_buffer_pointer()
+    rng = np.random.default_rng(5)
+    for step in range(40):
+        rid = int(rng.integers(0, 4))
+        if rng.random() < 0.6:
+            try:
+                mm.alloc(rid, ["kv", "state", "stash"][step % 3])
+            except (OutOfMemoryError, AllocationTooLargeError):
+                pass
+        elif mm.handles(rid):
+            mm.free(rid)
+        table = mm.device_table()
+        assert table.unsafe_buffer_pointer() == ptr
+        np.testing.assert_array_equal(np.asarray(table), mm._handles.host_table())
+    assert table is not first  # refreshed, in place
+
+
 def test_migration_only_when_allocation_fails():
     mm = tiny_manager("avmp", segments=6)
     mm.alloc("a", "kv", 12)
