@@ -12,9 +12,10 @@ an H200 target on this machine (a deviceless compile, as ``benchmarks/compile_re
 calls, sorts and copies), how many of them are Pallas (Triton) kernels and GEMM library calls,
 the launches per layer, and the copies of the whole arena (each should be 0: every program
 updates the donated arena in place). ``--spec-batch B`` adds the one-program speculative step
-of the shipped tiny pair (:mod:`serving.spec_device`: draft-model drafting of ``--spec-tree``,
-verify, acceptance, commit, the draft's catch-up) at batch ``B``, its arguments captured from
-a short CPU run of the engine and its kernels re-chosen as on a GPU. A step's cost at small batch follows its launch count
+of the shipped tiny target (:mod:`serving.spec_device`: drafting of ``--spec-tree`` by the tiny
+draft model or, ``--spec-method mtp``, the target's MTP head; verify, acceptance, commit, the
+draft's catch-up) at batch ``B``, its arguments captured from a short CPU run of the engine
+and its kernels re-chosen as on a GPU. A step's cost at small batch follows its launch count
 (``benchmarks/README.md#model_step``), so this is how a change to the model's structure is
 checked before it reaches the GPU. XLA cannot autotune without a GPU, so its GEMM choices (and
 a few fusions) may differ from a build on the device; the counts track the device's to within a
@@ -95,10 +96,11 @@ def arena_copies(hlo: str) -> int:
     return sum(1 for line in hlo.splitlines() if f"= {m.group(1)}" in line and " copy(" in line)
 
 
-def spec_step_program(batch: int, tree: tuple[int, ...], sharding):
-    """``(program, abstract args)`` of the tiny pair's one-program speculative step at
-    ``batch`` rows (draft model, static ``tree``, greedy), with the arena kernels and model
-    routes an H200 takes under ``kernels="auto"``."""
+def spec_step_program(batch: int, tree: tuple[int, ...], sharding, method: str = "draft_model"):
+    """``(program, abstract args)`` of the shipped tiny target's one-program speculative step
+    at ``batch`` rows (drafted by the tiny draft model or, ``method="mtp"``, the target's MTP
+    head; static ``tree``, greedy), with the arena kernels and model routes an H200 takes
+    under ``kernels="auto"``."""
     import dataclasses
 
     import numpy as np
@@ -116,7 +118,8 @@ def spec_step_program(batch: int, tree: tuple[int, ...], sharding):
         load_model(ASSETS / "target", jnp.float32),
         load_model(ASSETS / "draft", jnp.float32),
     )
-    spec = SpecConfig(method="draft_model", draft_model=draft, tree=tree, verify="wy")
+    drafter = dict(draft_model=draft) if method == "draft_model" else {}
+    spec = SpecConfig(method=method, tree=tree, verify="wy", **drafter)
     llm = LLM(
         model, speculative=spec, max_num_seqs=batch, batch_buckets=(batch,), max_model_len=176,
         prefill_chunk=64, dtype="float32", kernels="xla",
@@ -138,18 +141,25 @@ def spec_step_program(batch: int, tree: tuple[int, ...], sharding):
         set_kernel_impl(m, "auto")
         return nnx.split(m)[0]
 
-    dr = ds.draft_runner
     key = dataclasses.replace(
         ds.key,
         target=on_gpu(ds.key.target, runner._state.state()),
-        draft=on_gpu(ds.key.draft, ds._dstate.state()),
         target_kernels=select_kernels("auto", ds.key.target_spec, runner.config, "gpu")[0],
-        draft_kernels=select_kernels("auto", ds.key.draft_spec, dr.config, "gpu")[0],
         commit_impl="auto",
         sampling=False,
     )
+    if ds.draft_runner is not None:
+        key = dataclasses.replace(
+            key,
+            draft=on_gpu(ds.key.draft, ds._dstate.state()),
+            draft_kernels=select_kernels("auto", ds.key.draft_spec, ds.draft_runner.config, "gpu")[
+                0
+            ],
+        )
 
     def sds(x):
+        if x is None:
+            return None
         if isinstance(x, R.FlatState):
             return R.FlatState(x.treedef, [sds(leaf) for leaf in x.leaves])
         x = x if hasattr(x, "dtype") else np.asarray(x)
@@ -179,12 +189,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--spec-batch",
         type=int,
-        help="also the tiny pair's one-program speculative step at this batch (default: none)",
+        help="also the tiny target's one-program speculative step at this batch (default: none)",
     )
     ap.add_argument("--spec-tree", type=ints, default=[4, 2, 2], help="its tree (default: 4,2,2)")
+    ap.add_argument(
+        "--spec-method",
+        default="draft_model",
+        help="its drafters, comma-separated: draft_model (the tiny draft model), mtp (the "
+        "target's MTP head) (default: draft_model)",
+    )
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
+    if not set(args.spec_method.split(",")) <= {"draft_model", "mtp"}:
+        ap.error(f"--spec-method: draft_model and/or mtp, got {args.spec_method!r}")
     from benchmarks.compile_report import h200_sharding
     from gdn_jax.models import ModelConfig
     from gdn_jax.models.model import HybridLM, set_kernel_impl
@@ -246,8 +264,10 @@ def main(argv: list[str] | None = None) -> dict:
     progs = [(label, prog.graphs, a, kw) for label, prog, a, kw in progs]
     if args.spec_batch:
         tree = ",".join(map(str, args.spec_tree))
-        prog, a = spec_step_program(args.spec_batch, tuple(args.spec_tree), shd)
-        progs.append((f"spec step, tiny pair, tree {tree}, B {args.spec_batch}", prog, a, {}))
+        for method in args.spec_method.split(","):
+            prog, a = spec_step_program(args.spec_batch, tuple(args.spec_tree), shd, method)
+            label = f"spec step, tiny {method}, tree {tree}, B {args.spec_batch}"
+            progs.append((label, prog, a, {}))
     out = []
     with _as_gpu():
         for label, prog, a, kw in progs:
@@ -259,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
                 with open(os.path.join(args.dump, f"{stem}.txt"), "w") as f:
                     f.write(hlo)
             row = dict(program=label, **entry_launches(hlo), arena_copies=arena_copies(hlo))
-            if "tiny pair" not in label:
+            if "spec step" not in label:
                 row["per_layer"] = row["launches"] / args.layers
             row["compile_s"] = time.perf_counter() - t
             out.append(row)
