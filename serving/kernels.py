@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from serving.arena_spec import ArenaSpec
 
 KERNEL_CHOICES = ("xla", "pallas", "auto", "pallas_tpu")
-TPU_LANES = 128  # words of one TPU lane row: the TPU arena kernels' unit of state placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +108,8 @@ def _tpu_gdn_misfits(spec: ArenaSpec, config, unit_align_words: int) -> list[str
     """Why the TPU arena GDN kernels cannot take this geometry (empty: they can): states of
     f32 ``[Hv, K, 128]`` on whole 128-word lane rows of an arena whose units are placed at
     multiples of 128 words (:mod:`pallas_kernels.tpu._arena`)."""
+    from pallas_kernels.tpu._common import LANES as TPU_LANES
+
     out = []
     hv, dk, dv = spec.state_shape
     if jnp.dtype(spec.state_dtype) != jnp.float32:

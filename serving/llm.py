@@ -20,7 +20,7 @@ from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
 from gdn_jax.models.loading import load_config
 from gdn_jax.models.model import set_kernel_impl
 from serving.engine import Engine, buckets_for, make_drafter
-from serving.kernels import KERNEL_CHOICES, TPU_LANES, model_impl
+from serving.kernels import KERNEL_CHOICES, model_impl
 from serving.launch import DEFAULT_GRAPH_TOKENS
 from serving.memory import MemoryManager, OutOfMemoryError, layout_for
 from serving.parallel import ParallelConfig, ReplicaEngine, ReplicaScheduler
@@ -438,7 +438,9 @@ class LLM:
                     layout, int(memory_budget), memory_policy, segment_bytes=segment_bytes
                 )
             else:  # the TPU kernels move states as whole 128-word lane rows
-                align = TPU_LANES if kernels == "pallas_tpu" else 1
+                align = 1
+                if kernels == "pallas_tpu":
+                    from pallas_kernels.tpu._common import LANES as align
                 self.manager = MemoryManager(
                     layout,
                     int(memory_budget),
