@@ -45,13 +45,16 @@
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~270 s); both report
-#                       the median of 5 timed runs per engine
+#                       the median of 5 timed runs per engine; METHOD (draft_model; mtp: the
+#                       target's MTP head drafts, JSON h200_<kernels>_mtp)
 #   serving_35b_8l      serving: the bench at Qwen3.5-35B-A3B's dims cut to 8 layers, random
 #                       weights, n-gram drafting; DTYPE (bfloat16), KERNELS (auto), LIMIT (330 s;
 #                       float32 needs ~500); JAX_DEFAULT_MATMUL_PRECISION=highest is named too
 #   draft_logits        draft_logits: the drafting program, XLA and auto kernels
 #   spec_step           spec_step: the one-program speculative step against a decode step;
-#                       KERNELS (auto; a comma list runs each), BATCH (1,8), LIMIT (560 s each:
+#                       KERNELS (auto; a comma list runs each), BATCH (1,8), METHOD
+#                       (draft_model; comma list: draft_model,mtp), PROFILE (set: kernels
+#                       profiled), SUFFIX (added to the JSON name), LIMIT (560 s each:
 #                       engine build and compile take ~100 s at B 1 and over 130 s at B 8)
 #   routes_check        routes_check: impl="auto" and "pallas" against "xla"
 #   arena_read_decode   arena_read: a decode step's GDN states through the arena
@@ -217,8 +220,9 @@ step() {
     ;;
   serving_xla | serving_auto)
     local k=${1#serving_}
-    TAILN=8 run 300 serving "h200_$k" python3 -m serving bench --kernels "$k" --compile-cache "" \
-      --repeats 5 --json "$(json serving "h200_$k")"
+    local name="h200_$k${METHOD:+_$METHOD}"
+    TAILN=8 run 300 serving "$name" python3 -m serving bench --kernels "$k" --compile-cache "" \
+      --method "${METHOD:-draft_model}" --repeats 5 --json "$(json serving "$name")"
     ;;
   serving_35b_8l)
     local dtype=${DTYPE:-bfloat16} kernels=${KERNELS:-auto}
@@ -236,7 +240,8 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
     local ks=${KERNELS:-auto}
     for k in ${ks//,/ }; do
       TAILN=6 run "${LIMIT:-560}" spec_step "h200_$k" python3 -m benchmarks.spec_step \
-        --kernels "$k" --batch "${BATCH:-1,8}" --reps 50 --json "$(json spec_step "h200_$k")"
+        --kernels "$k" --batch "${BATCH:-1,8}" --method "${METHOD:-draft_model}" --reps 50 \
+        ${PROFILE:+--profile} --json "$(json spec_step "h200_$k${SUFFIX:-}")"
     done
     ;;
   draft_logits)

@@ -1,10 +1,11 @@
 """One speculative step against one plain decode step, side by side, on the same batch.
 
     python -m benchmarks.spec_step [--batch 1,8] [--tree 4,2,2] [--kernels xla|auto]
-                                   [--reps 20] [--profile] [--json out.json]
+                                   [--method draft_model,mtp] [--reps 20] [--profile]
+                                   [--json out.json]
 
-The shipped tiny target/draft pair (``serving/assets/tiny``), draft-model drafting, the draft in
-the target's arena, as ``python -m serving bench`` builds them. For each batch size the engine
+The shipped tiny target/draft pair (``serving/assets/tiny``), drafted by the draft model (in the
+target's arena) or the target's own MTP head, as ``python -m serving bench`` builds them. For each batch size the engine
 prefills real prompts (a short ``generate`` that also compiles every program), then three
 programs run alternately on that batch's handles and lengths, ``--reps`` times each:
 
@@ -57,11 +58,22 @@ def _ms(fn) -> float:
 
 
 def measure(
-    batch: int, tree: tuple[int, ...], kernels: str, reps: int, dtype: str, profile: bool = False
+    batch: int,
+    tree: tuple[int, ...],
+    kernels: str,
+    reps: int,
+    dtype: str,
+    profile: bool = False,
+    method: str = "draft_model",
 ) -> dict:
     dt = jnp.dtype(dtype)
-    model, draft = load_model(ASSETS / "target", dt), load_model(ASSETS / "draft", dt)
-    spec = SpecConfig(method="draft_model", draft_model=draft, tree=tree, verify="wy")
+    model = load_model(ASSETS / "target", dt)
+    if method == "draft_model":
+        spec = SpecConfig(
+            method=method, draft_model=load_model(ASSETS / "draft", dt), tree=tree, verify="wy"
+        )
+    else:
+        spec = SpecConfig(method=method, tree=tree, verify="wy")
     llm = LLM(
         model,
         speculative=spec,
@@ -72,7 +84,7 @@ def measure(
         dtype=dtype,
         kernels=kernels,
     )
-    log(f"batch {batch}: engine built; prefilling and compiling")
+    log(f"batch {batch}, {method}: engine built; prefilling and compiling")
     engine, runner = llm.engine, llm.engine.runner
     device_spec = engine.device_spec
     capture = _Capture(device_spec)
@@ -116,6 +128,7 @@ def measure(
     release()
     return dict(
         batch=batch,
+        method=method,
         tree=",".join(map(str, tree)),
         nodes=spec.num_nodes,
         kernels=runner.kernels,
@@ -136,6 +149,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batch", type=ints, default=[1, 8], help="batch sizes (default: 1,8)")
     ap.add_argument("--tree", type=ints, default=[4, 2, 2], help="static tree (default: 4,2,2)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    ap.add_argument(
+        "--method",
+        default=["draft_model"],
+        type=lambda s: s.split(","),
+        help="drafters, comma list of draft_model, mtp (default: draft_model)",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=20, help="timed calls per program (default: 20)")
     ap.add_argument("--profile", action="store_true", help="profile each program's kernels (GPU)")
@@ -143,11 +162,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.reps < 1 or min(args.batch) < 1 or min(args.tree) < 1:
         ap.error("--reps, --batch and --tree must be positive")
+    if bad := set(args.method) - {"draft_model", "mtp"}:
+        ap.error(f"--method: unknown drafter(s) {sorted(bad)}; choose from draft_model, mtp")
     rows = [
-        measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype, args.profile)
+        measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype, args.profile, m)
+        for m in args.method
         for b in args.batch
     ]
     cols = [
+        ("method", "drafter"),
         ("batch", "batch"),
         ("nodes", "nodes"),
         ("kernels", "kernels"),
@@ -161,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in rows:
         for name, prof in row.get("profiles", {}).items():
             print(
-                f"\n{name}, B {row['batch']}: {prof['kernels']} kernels, "
+                f"\n{name}, {row['method']}, B {row['batch']}: {prof['kernels']} kernels, "
                 f"GPU busy {prof['busy_ms']} ms"
             )
             if prof.get("top"):

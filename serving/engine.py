@@ -290,12 +290,9 @@ class Engine:
             for i, tb in enumerate(builders):
                 tokens[i], parents[i] = tb.arrays(self.num_nodes)
             kw.update(tokens=tokens, parents=parents)
-        out, counts, hidden = self.device_spec(
+        out, counts, hidden = self.device_spec(  # host arrays
             *rows, root, self._scratch(reqs, b), seeds, temp, top_k, top_p, **kw
         )
-        out, counts = np.asarray(out), np.asarray(counts)
-        if isinstance(self.drafter, MTPDrafter):
-            hidden = np.asarray(hidden)
         now = time.perf_counter()
         for i, r in enumerate(reqs):
             m = int(counts[i])

@@ -40,18 +40,27 @@ def jit(fn, **kwargs) -> ByTokens:
 
 class ByTokens:
     """A step function jitted twice: a CUDA graph for calls of at most ``graph_tokens`` tokens
-    (the size of positional argument ``tokens_arg``; ``None``: every call), kernels launched
-    one by one above.
+    (the size of positional argument ``tokens_arg``, or ``count(args)`` for packed inputs;
+    ``None``: every call), kernels launched one by one above.
 
     Each variant compiles only when first called, so a bucket compiles once. Called inside
     another trace (``jax.make_jaxpr``, an enclosing ``jit``) it is a plain ``jax.jit``: compiler
     options belong to the outermost program. Quacks like a jitted function for the engine's
     bookkeeping: ``lower`` and ``_cache_size``."""
 
-    def __init__(self, fn, graph_tokens: int | None, tokens_arg: int, **jit_kwargs):
+    def __init__(
+        self,
+        fn,
+        graph_tokens: int | None,
+        tokens_arg: int,
+        *,
+        count=None,
+        **jit_kwargs,
+    ):
         if graph_tokens is not None and graph_tokens < 0:
             raise ValueError(f"graph_tokens must be >= 0, got {graph_tokens}")
         self.graph_tokens, self.tokens_arg = graph_tokens, tokens_arg
+        self.count = count
         self.graphs = jax.jit(fn, compiler_options=GRAPHS, **jit_kwargs)
         self.kernels = jax.jit(fn, compiler_options=NO_GRAPHS, **jit_kwargs)
         self.traced = jax.jit(fn, **jit_kwargs)
@@ -60,7 +69,10 @@ class ByTokens:
         tokens = args[self.tokens_arg]
         if isinstance(tokens, jax.core.Tracer):
             return self.traced
-        if self.graph_tokens is None or np.size(tokens) <= self.graph_tokens:
+        if self.graph_tokens is None:
+            return self.graphs
+        n = np.size(tokens) if self.count is None else self.count(args)
+        if n <= self.graph_tokens:
             return self.graphs
         return self.kernels
 

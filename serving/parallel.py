@@ -327,9 +327,9 @@ class ShardedMemoryManager(MemoryManager):
         self._migrator.arena = self.arena
         self.placement = placement
 
-    def device_table(self) -> jax.Array:
-        """The ``[H, 2]`` translation table, replicated on every device of the mesh."""
-        return self._handles.device_table(self.placement.replicated)
+    def _table_placement(self):
+        """The ``[H, 2]`` translation table is replicated on every device of the mesh."""
+        return self.placement.replicated
 
 
 # ----------------------------------------------------------------------------- the cache

@@ -503,6 +503,20 @@ class ArenaRunner:
             self.table_uploads += 1
         return t
 
+    def table_delta(self, rows: int) -> tuple[jax.Array, np.ndarray]:
+        """``(device table, delta int32 [rows, 3])`` for a step program that applies the
+        layout's changes itself (:meth:`MemoryManager.device_delta`); hand the table it
+        returns to :meth:`adopt_table`."""
+        t, delta = self.manager.device_delta(rows)
+        if t is not self._table and delta[0, 0] == self.manager._handles.capacity:
+            self.table_uploads += 1  # uploaded whole
+        self._table = t
+        return t, delta
+
+    def adopt_table(self, table: jax.Array) -> None:
+        self.manager.adopt_table(table)
+        self._table = table
+
     @property
     def _buf(self) -> jax.Array:
         return self.manager.arena.buffer

@@ -42,6 +42,9 @@ from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
 from serving.kernels import ArenaKernels
 
+# handle-table changes a step takes with its inputs (ArenaRunner.table_delta; more: an upload)
+TABLE_DELTA_ROWS = 32
+
 # the offsets of the random streams of a step (folded into each row's key)
 _DRAFT_STREAM = 1 << 16
 _PLAIN_DRAW = 1 << 20
@@ -312,6 +315,8 @@ class ProgramKey:
     depth: int
     snapshot: bool
     sampling: bool  # False: every row of the batch is greedy
+    nodes: int  # N: the tree's node slots (a budget tree's budget)
+    table_rows: int = 0  # rows of handle-table changes a step applies (TABLE_DELTA_ROWS)
     # the runners' cache builders: ArenaCache, or a multi-device placement
     make_target_cache: object = ArenaCache
     make_draft_cache: object = ArenaCache
@@ -509,8 +514,59 @@ def _program(key: ProgramKey):
         hidden_next = hid[jnp.arange(hid.shape[0]), last]
         return emitted(tokens, path, path_len, nxt), path_len, hidden_next, buf
 
-    # the tree tokens [B, N] are positional argument 8
-    return launch.ByTokens(step, key.graph_tokens, 8, donate_argnums=2)
+    def packed_step(tflat, dflat, buf, table, ints, floats, hidden):
+        """``step`` on the packed inputs of :func:`pack_inputs` (the last ``table_rows`` rows
+        of ``ints``: handle-table changes, applied to ``table`` first); returns ``(int32 [B,
+        depth + 2]`` (the emitted tokens, then their count), ``hidden [B, H]`` (the MTP
+        drafter's; else None), the arena, the table)."""
+        ints, delta = ints[: ints.shape[0] - key.table_rows], ints[ints.shape[0] - key.table_rows :]
+        table = table.at[delta[:, 0]].set(delta[:, 1:3], mode="drop")
+        n, s = key.nodes, key.nodes if key.snapshot else 1
+        widths = [1, None, 1, 1, n, n, s, 3, 1]
+        fixed = sum(w for w in widths if w is not None)
+        widths[1] = ints.shape[1] - fixed  # the page table's width
+        cols = np.cumsum(widths)[:-1]
+        handles, pages, lengths, root, tokens, parents, scratch, seeds, top_k = jnp.split(
+            ints, cols, axis=1
+        )
+        seeds = jax.lax.bitcast_convert_type(seeds, jnp.uint32)
+        out, path_len, hidden_next, buf = step(
+            tflat, dflat, buf, table, handles[:, 0], pages, lengths[:, 0], root[:, 0],
+            tokens, parents, hidden, scratch if key.snapshot else scratch[:, 0], seeds,
+            floats[:, 0], top_k[:, 0], floats[:, 1],
+        )  # fmt: skip
+        packed = jnp.concatenate([out, path_len[:, None]], axis=1).astype(jnp.int32)
+        return packed, hidden_next if key.drafter == "mtp" else None, buf, table
+
+    def tree_tokens(args):  # the packed integer inputs are positional argument 4
+        return (args[4].shape[0] - key.table_rows) * key.nodes
+
+    return launch.ByTokens(
+        packed_step, key.graph_tokens, 4, count=tree_tokens, donate_argnums=(2, 3)
+    )
+
+
+def pack_inputs(handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p):
+    """A step's per-row inputs as two host arrays, so a step moves two small buffers to the
+    device instead of eleven (each host-to-device copy of a jitted call's argument costs tens of
+    microseconds on a GPU host): ``int32 [B, 1 + MP + 1 + 1 + N + N + S + 3 + 1]`` (handles,
+    page table, lengths, roots, tree tokens and parents, scratch handles (``S`` = N per-node
+    snapshots, else 1), seeds (uint32 bits), top-k) and ``float32 [B, 2]`` (temperature,
+    top-p)."""
+    b = np.shape(root)[0]
+
+    def col(x, dtype=np.int32):
+        return np.asarray(x).reshape(b, -1).astype(dtype, copy=False)
+
+    ints = np.concatenate(
+        [
+            col(handles), col(pages), col(lengths), col(root), col(tokens), col(parents),
+            col(scratch), col(np.asarray(seeds, np.uint32)).view(np.int32), col(top_k),
+        ],
+        axis=1,
+    )  # fmt: skip
+    floats = np.concatenate([col(temp, np.float32), col(top_p, np.float32)], axis=1)
+    return ints, floats
 
 
 class DeviceSpeculator:
@@ -542,6 +598,8 @@ class DeviceSpeculator:
             depth=spec.max_depth,
             snapshot=spec.verify == "snapshot",
             sampling=True,
+            nodes=spec.num_nodes,
+            table_rows=TABLE_DELTA_ROWS,
             make_target_cache=runner.make_cache,
             make_draft_cache=draft_runner.make_cache if draft_runner is not None else ArenaCache,
             graph_tokens=runner.graph_tokens,
@@ -553,6 +611,7 @@ class DeviceSpeculator:
         }
         self.num_nodes = spec.num_nodes
         self.calls = 0
+        self._zeros = {}  # batch -> device zeros [B, 1]: the hidden input of other drafters
 
     def compiled(self) -> int:
         return sum(
@@ -575,33 +634,29 @@ class DeviceSpeculator:
         tokens=None,
         parents=None,
     ):
-        """One step: returns device arrays ``(emitted int32 [B, depth + 1], counts int32 [B],
-        hidden [B, H])`` (the arena updated in place)."""
+        """One step: returns host arrays ``(emitted int32 [B, depth + 1], counts int32 [B],
+        hidden [B, H]`` (the MTP drafter's next hidden states; None for the others)), fetched
+        from the device in one transfer (the arena updated in place). The inputs go to the
+        device packed in two arrays (:func:`pack_inputs`)."""
         r = self.runner
         b = root.shape[0]
         if tokens is None:
-            tokens = np.zeros((b, self.num_nodes), np.int32)
-            parents = np.zeros((b, self.num_nodes), np.int32)
-        if hidden is None:
-            hidden = np.zeros((b, r.config.hidden_size), np.float32)
+            tokens = parents = np.zeros((b, self.num_nodes), np.int32)
+        if hidden is None:  # only the MTP drafter reads it: a placeholder kept on the device
+            hidden = self._zeros.get(b)
+            if hidden is None:
+                hidden = self._zeros[b] = jnp.zeros((b, 1), jnp.float32)
         self.calls += 1
-        program = self._programs[bool(np.any(temp > 0))]
-        out, counts, hid, r._buf = program(
-            r._state,
-            self._dstate,
-            r._buf,
-            r.table(),
-            handles,
-            pages,
-            lengths,
-            root,
-            tokens,
-            parents,
-            hidden,
-            scratch,
-            seeds,
-            temp,
-            top_k,
-            top_p,
+        ints, floats = pack_inputs(
+            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p
         )
-        return out, counts, hid
+        table, delta = r.table_delta(TABLE_DELTA_ROWS)
+        tail = np.zeros((TABLE_DELTA_ROWS, ints.shape[1]), np.int32)
+        tail[:, :3] = delta
+        program = self._programs[bool(np.any(temp > 0))]
+        packed, hid, r._buf, table = program(
+            r._state, self._dstate, r._buf, table, np.concatenate([ints, tail]), floats, hidden
+        )
+        r.adopt_table(table)
+        packed, hid = jax.device_get((packed, hid))
+        return packed[:, :-1], packed[:, -1], hid

@@ -232,14 +232,48 @@ class HandleTable:
         if self._device is None:
             host = self.host_table()
             old = self._resident
-            if (
-                old is None
-                or old.shape != host.shape
-                or old.is_deleted()
-                or old.devices() != {device}
-            ):
-                self._resident = jax.device_put(host, device)
-            else:
-                self._resident = _refresh(old, jax.device_put(host, device))
+            # copied, never aliased: on CPU a device_put of a large numpy array may share its
+            # memory, and the host table changes in place while programs may still read it
+            new = jax.device_put(host, device, may_alias=False)
+            self._resident = _refresh(old, new) if self._in_place(device) else new
             self._device = self._resident
         return self._device
+
+    def _in_place(self, device) -> bool:
+        """Whether the resident device table can be updated in place on ``device``."""
+        old = self._resident
+        return (
+            old is not None
+            and old.shape == self._host.shape
+            and not old.is_deleted()
+            and old.devices() == {device}
+        )
+
+    def device_delta(self, device: jax.Device, rows: int) -> tuple[jax.Array, np.ndarray]:
+        """The device table and its changes since the last upload: ``(table, delta int32
+        [rows, 3])``, one ``(handle, segment, word)`` row per changed handle, padded with
+        handle ``capacity`` (out of range: dropped). A step program given both applies the
+        delta to the table (donated, so in place) and returns it, and the caller hands the
+        result back with :meth:`adopt`: the changes reach the device with the step's other
+        inputs instead of in an upload and a program of their own (a few hundred microseconds
+        a step on a GPU host, where a speculative step changes the layout in most steps).
+        With more than ``rows`` changes, or no table on ``device`` to update, the table is
+        uploaded whole (:meth:`device_table`) and the delta is empty."""
+        delta = np.zeros((rows, 3), np.int32)
+        delta[:, 0] = self.capacity
+        if self._device is not None:
+            return self._device, delta
+        dirty = self.dirty
+        if dirty is None or len(set(dirty)) > rows or not self._in_place(device):
+            return self.device_table(device), delta
+        hs = sorted(set(dirty))
+        host = self.host_table()
+        delta[: len(hs), 0] = hs
+        delta[: len(hs), 1:] = host[hs]
+        old, self._resident = self._resident, None  # donated to the step: adopt() follows
+        return old, delta
+
+    def adopt(self, table: jax.Array) -> None:
+        """Take ``table`` (returned by a step that applied :meth:`device_delta`'s delta) as the
+        up-to-date device table."""
+        self._resident = self._device = table

@@ -419,7 +419,20 @@ class MemoryManager:
 
         Uploaded once per change of the layout, not per allocation; the host table is
         brought up to date then, in one batch."""
-        return self._handles.device_table(self.arena.buffer.device)
+        return self._handles.device_table(self._table_placement())
+
+    def device_delta(self, rows: int) -> tuple[jax.Array, np.ndarray]:
+        """``(device table, delta int32 [rows, 3])``: the table as last uploaded and the
+        ``(handle, segment, word)`` rows changed since, for a step program to apply in place
+        and return to :meth:`adopt_table` (:meth:`HandleTable.device_delta`)."""
+        return self._handles.device_delta(self._table_placement(), rows)
+
+    def adopt_table(self, table: jax.Array) -> None:
+        """The device table a step returned after applying :meth:`device_delta`'s delta."""
+        self._handles.adopt(table)
+
+    def _table_placement(self):
+        return self.arena.buffer.device
 
     @property
     def tokens_per_page(self) -> int:

@@ -31,6 +31,10 @@ def test_by_tokens_routes_by_the_step_size():
     assert always.pick((big,)) is always.graphs
     with pytest.raises(ValueError, match="graph_tokens"):
         launch.ByTokens(lambda t: t, -1, 0)
+    # a packed argument: its rows times 5 tokens (2 x 5 > 8 >= 1 x 5)
+    per_row = launch.ByTokens(lambda t: t + 1, 8, 0, count=lambda a: a[0].shape[0] * 5)
+    one, two = np.zeros((1, 3), np.int32), np.zeros((2, 3), np.int32)
+    assert per_row.pick((one,)) is per_row.graphs and per_row.pick((two,)) is per_row.kernels
 
 
 @pytest.mark.parametrize("graph_tokens", [0, 1 << 20, None])
