@@ -506,8 +506,9 @@ class ArenaCache:
         tree verify, whose queries all sit at or after the committed keys, so the causal bound
         is ``kv_len``) by :func:`pallas_kernels.attention.arena.tree_attention`, without (decode,
         prefill: the new tokens' K/V already written) by
-        :func:`pallas_kernels.attention.arena.paged_attention`, causal in ``q_pos``. Queries of
-        a shape that kernel does not take go to XLA (a ``ValueError`` when ``strict``)."""
+        :func:`pallas_kernels.attention.arena.paged_attention`, causal in ``q_pos`` (on the TPU
+        kernels :func:`pallas_kernels.tpu.paged_attention_arena`). Queries of a shape that
+        kernel does not take go to XLA (a ``ValueError`` when ``strict``)."""
         sp = self.spec
         kn = self.kernels
         self._no_pending("attention")
@@ -521,6 +522,17 @@ class ArenaCache:
                 draft_k=draft_k.astype(sp.kv_dtype),
                 draft_v=draft_v.astype(sp.kv_dtype),
                 draft_mask=draft_mask,
+                scale=float(scale),
+            )
+        if draft_k is None and kn.tpu_attention:
+            from pallas_kernels.tpu import paged_attention_arena
+
+            return paged_attention_arena(
+                q,
+                **self._attention_kernel_args(ai),
+                kv_len=kv_len,
+                q_pos=q_pos,
+                kv_heads=sp.kv_heads,
                 scale=float(scale),
             )
         if draft_k is None and kn.attention:

@@ -48,7 +48,10 @@ class ArenaKernels:
       place) instead of XLA state windows and the chunked rule;
     - ``tpu``: the Mosaic TPU versions of the GDN kernels (:mod:`pallas_kernels.tpu`:
       ``tree_verify_arena``, ``tree_commit_arena``, ``recurrent_step_arena``) instead of the
-      GPU ones; attention and prefill stay on XLA;
+      GPU ones; prefill's GDN layers stay on XLA;
+    - ``tpu_attention``: decode's and prefill's attention layers by the TPU kernel
+      (:func:`pallas_kernels.tpu.paged_attention_arena`, the KV pages read in place); the tree
+      verify's attention stays on XLA;
     - ``interpret``: run them in Pallas interpret mode (the GPU kernels off a GPU, the TPU
       kernels in TPU interpret mode off a TPU);
     - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
@@ -63,11 +66,13 @@ class ArenaKernels:
     max_nodes: int = 0
     strict: bool = False
     tpu: bool = False
+    tpu_attention: bool = False
 
     @property
     def name(self) -> str:
         """``"pallas"`` when any step uses a kernel, else ``"xla"``."""
-        return "pallas" if self.gdn or self.attention or self.decode or self.prefill else "xla"
+        used = self.gdn or self.attention or self.decode or self.prefill or self.tpu_attention
+        return "pallas" if used else "xla"
 
     def takes(self, n: int, what: str) -> bool:
         """Whether a tree of ``n`` nodes goes to the kernels (static, at trace time)."""
@@ -101,6 +106,24 @@ def _gdn_misfits(spec: ArenaSpec, config) -> list[str]:
         out.append(f"model dtype {spec.model_dtype} is not float32, bfloat16 or float16")
     if config is not None and hv % config.linear_num_key_heads:
         out.append(f"linear_num_value_heads {hv} is not a multiple of the key heads")
+    return out
+
+
+def _tpu_attention_misfits(spec: ArenaSpec) -> list[str]:
+    """Why the TPU paged attention kernel cannot read this arena's KV pages (empty: it can):
+    a head row must be one 128-word lane row and the K/V blocks start on a row
+    (:mod:`pallas_kernels.tpu.attention`)."""
+    from pallas_kernels.tpu._common import LANES as TPU_LANES
+
+    dt = jnp.dtype(spec.kv_dtype)
+    if dt not in (jnp.float32, jnp.bfloat16):
+        return [f"the KV cache is {dt}; the TPU attention kernel reads float32 or bfloat16"]
+    out = []
+    words = spec.head_dim * dt.itemsize // 4
+    if words != TPU_LANES:
+        out.append(f"head_dim {spec.head_dim} in {dt} is {words} words a head row, not {TPU_LANES}")
+    if spec.kv_offset % TPU_LANES:
+        out.append(f"the KV pages start {spec.kv_offset} words into a unit, not on a lane row")
     return out
 
 
@@ -160,8 +183,9 @@ def select_kernels(
     attention), XLA elsewhere; ``"pallas"``: the kernels everywhere (interpret mode off GPU),
     a ``ValueError`` naming ``kernels`` when the geometry does not fit; ``"pallas_tpu"``: the
     TPU GDN kernels (verify, commit, decode step; TPU interpret mode off a TPU), a
-    ``ValueError`` when the geometry does not fit them, attention on XLA. Returns the choice
-    and the reasons for every part left on XLA."""
+    ``ValueError`` when the geometry does not fit them, and the TPU paged attention for decode
+    and prefill where the head rows fit it (else XLA). Returns the choice and the reasons for
+    every part left on XLA."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if kernels == "xla":
@@ -175,6 +199,7 @@ def select_kernels(
         bad = _tpu_gdn_misfits(spec, config, unit_align_words)
         if bad:
             raise ValueError(f"kernels='pallas_tpu': {'; '.join(bad)}")
+        attn_bad = _tpu_attention_misfits(spec) if spec.attn_layers else ["no attention layers"]
         choice = ArenaKernels(
             gdn=True,
             decode=True,
@@ -182,9 +207,13 @@ def select_kernels(
             max_nodes=TPU_MAX_NODES,
             strict=True,
             tpu=True,
+            tpu_attention=not attn_bad,
         )
-        notes = ("attention on XLA: no TPU attention kernel reads the arena",)
-        return choice, notes if spec.attn_layers else ()
+        if not spec.attn_layers:
+            return choice, ()
+        if attn_bad:
+            return choice, (f"attention on XLA: {'; '.join(attn_bad)}",)
+        return choice, ("the tree verify's attention on XLA: no TPU tree attention kernel",)
     if kernels == "auto" and backend != "gpu":
         note = (
             f"kernels='auto' on the {backend} backend: the arena Pallas kernels (Triton) are "

@@ -305,7 +305,10 @@ def _arena_programs(
 
 def _attention_only(kernels: ArenaKernels) -> ArenaKernels:
     """The part of ``kernels`` that prefill (and the XLA-GDN decode) use: the paged attention
-    kernel (:func:`pallas_kernels.attention.arena.paged_attention`) or none."""
+    kernel (:func:`pallas_kernels.attention.arena.paged_attention`, or on the TPU kernels
+    :func:`pallas_kernels.tpu.paged_attention_arena`) or none."""
+    if kernels.tpu_attention:
+        return ArenaKernels(tpu_attention=True, interpret=kernels.interpret)
     if not kernels.attention:
         return XLA_KERNELS
     return ArenaKernels(attention=True, interpret=kernels.interpret, strict=kernels.strict)
@@ -320,7 +323,8 @@ def _arena_sequence_programs(
     graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS,
 ):
     """Prefill and decode over the arena (``buf`` donated and returned): XLA windows, the
-    attention layers by the in-place paged attention kernel when ``kernels.attention``."""
+    attention layers by the in-place paged attention kernel when ``kernels.attention`` (the
+    TPU one when ``kernels.tpu_attention``)."""
 
     def cache_of(buf, table, handles, pages, lengths):
         return make_cache(buf, table, handles, pages, lengths, spec, kernels)

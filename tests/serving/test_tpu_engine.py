@@ -1,6 +1,7 @@
-"""The engine on the TPU GDN kernels (``LLM(kernels="pallas_tpu")``, TPU interpret mode on CPU):
-the arena's units on 128-word lane rows, tree verify, commit and the decode step by the Mosaic
-TPU kernels reading the arena in place, the same greedy tokens as the XLA path."""
+"""The engine on the TPU kernels (``LLM(kernels="pallas_tpu")``, TPU interpret mode on CPU): the
+arena's units on 128-word lane rows, tree verify, commit, the decode step and decode's and
+prefill's paged attention by the Mosaic TPU kernels reading the arena in place, the same greedy
+tokens as the XLA path."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ GEOM = dict(ENGINE, page_size=16, memory_budget=4 << 20)
 
 @pytest.fixture(scope="module")
 def model():
-    # value head dim 128: a state row per TPU lane row
-    return sharpened(init_random(tiny_config(linear_value_head_dim=128), jnp.float32, seed=3))
+    # value head dim 128: a state row per TPU lane row; attention head dim 128 (f32): a KV
+    # head row per lane row
+    config = tiny_config(linear_value_head_dim=128, head_dim=128)
+    return sharpened(init_random(config, jnp.float32, seed=3))
 
 
 def test_units_on_lane_rows(model):
@@ -46,13 +49,17 @@ def test_pallas_tpu_misfit_names_the_dim(target):
 @pytest.mark.parametrize(
     "spec, traced",
     [
-        (None, {"recurrent_step_arena"}),
-        (SpecConfig(method="ngram", tree=(2, 2)), {"tree_verify_arena", "tree_commit_arena"}),
+        (None, {"recurrent_step_arena", "paged_attention_arena"}),
+        (
+            SpecConfig(method="ngram", tree=(2, 2)),
+            {"tree_verify_arena", "tree_commit_arena", "paged_attention_arena"},
+        ),
     ],
 )
 def test_pallas_tpu_engine_matches_xla(model, spec, traced, monkeypatch):
     """Plain decoding (the decode step's kernel) and tree WY speculation (verify and commit)
-    give the XLA path's greedy tokens, and the engine's programs took the TPU kernels."""
+    give the XLA path's greedy tokens, and the engine's programs took the TPU kernels (the
+    paged attention in prefill and decode)."""
     calls = set()
     for name in traced:
         fn = getattr(pallas_tpu, name)
@@ -70,7 +77,20 @@ def test_pallas_tpu_engine_matches_xla(model, spec, traced, monkeypatch):
     for kernels in ("xla", "pallas_tpu"):
         llm = LLM(model, speculative=spec, kernels=kernels, **GEOM)
         choice = llm.runner.kernel_choice
-        assert choice.tpu == (kernels == "pallas_tpu")
+        assert choice.tpu == choice.tpu_attention == (kernels == "pallas_tpu")
         out[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert out["pallas_tpu"] == out["xla"]
     assert calls == traced
+
+
+def test_pallas_tpu_attention_misfit_stays_on_xla():
+    """Attention head rows that are not one lane row keep decode's and prefill's attention on
+    XLA, with the reason; the GDN layers still take the TPU kernels."""
+    from serving.arena_spec import ArenaSpec
+    from serving.kernels import select_kernels
+
+    config = tiny_config(linear_value_head_dim=128)  # attention head dim 16: 16 words a row
+    spec = ArenaSpec.from_layout(layout_for(config.to_hf_dict(), 16), jnp.float32, config)
+    choice, notes = select_kernels("pallas_tpu", spec, config, unit_align_words=128)
+    assert choice.tpu and not choice.tpu_attention
+    assert any("head_dim 16" in n for n in notes), notes
