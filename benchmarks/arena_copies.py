@@ -28,7 +28,7 @@ from serving.llm import LLM, load_model
 from serving.params import SamplingParams, SpecConfig
 
 ARENA = 64 << 20
-PROGRAMS = ("_prefill", "_decode", "_verify", "_commit")
+PROGRAMS = ("_prefill", "_decode_packed", "_verify", "_commit")  # the engine's programs
 
 
 def capture(runner) -> dict:
@@ -116,17 +116,18 @@ def main(argv=None) -> list[dict]:
         shape = tuple(runner.manager.arena.buffer.shape)
         arena_bytes = runner.manager.arena.buffer.nbytes
         for name, (fn, a, k) in seen.items():
-            if spec is not None and spec.method == "ngram" and name in ("_prefill", "_decode"):
+            if spec is not None and spec.method == "ngram" and name in PROGRAMS[:2]:
                 continue
+            label = name[1:].removesuffix("_packed")
             compiled = fn.lower(*a, **k).compile()
             hlo = compiled.as_text()
             mem = compiled.memory_analysis()
             if args.dump:
                 Path(args.dump).mkdir(parents=True, exist_ok=True)
-                (Path(args.dump) / f"{name[1:]}_{args.kernels}.hlo.txt").write_text(hlo)
+                (Path(args.dump) / f"{label}_{args.kernels}.hlo.txt").write_text(hlo)
             rows.append(
                 dict(
-                    program=name[1:],
+                    program=label,
                     kernels=runner.kernels,
                     arena_copies=arena_copies(hlo, shape),
                     launches=launches(hlo),

@@ -170,11 +170,10 @@ def spec_step_program(batch: int, tree: tuple[int, ...], sharding, method: str =
     ints, floats = spec_device.pack_inputs(
         handles, pages, lengths, root, nodes, nodes, scratch, seeds, temp, top_k, top_p
     )
-    tail = np.zeros((ds.key.table_rows, ints.shape[1]), np.int32)  # no table changes
-    tail[:, 0] = runner.manager._handles.capacity
-    ints = np.concatenate([ints, tail])
-    width = runner.config.hidden_size if method == "mtp" else 1
-    hidden = np.zeros((batch, width), np.float32)
+    none = np.zeros((ds.key.table_rows, 3), np.int32)  # no table changes
+    none[:, 0] = runner.manager._handles.capacity
+    ints = R.with_table_delta(ints, none)
+    hidden = np.zeros((batch, runner.config.hidden_size), np.float32) if method == "mtp" else None
     args = (runner._state, ds._dstate, runner._buf, runner.table(), ints, floats, hidden)
     return spec_device._program(key).graphs, [sds(x) for x in args]
 

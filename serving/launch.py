@@ -61,6 +61,7 @@ class ByTokens:
             raise ValueError(f"graph_tokens must be >= 0, got {graph_tokens}")
         self.graph_tokens, self.tokens_arg = graph_tokens, tokens_arg
         self.count = count
+        self.fn = fn  # the step function itself (to wrap in another program)
         self.graphs = jax.jit(fn, compiler_options=GRAPHS, **jit_kwargs)
         self.kernels = jax.jit(fn, compiler_options=NO_GRAPHS, **jit_kwargs)
         self.traced = jax.jit(fn, **jit_kwargs)

@@ -212,6 +212,53 @@ class ModelRunner:
         self.pool = self._commit(self.pool, slots, table, lengths, tree, path, path_len)
 
 
+# Handle-table changes a step takes with its packed inputs (ArenaRunner.table_delta; more
+# changes than this: the table is uploaded whole before the step).
+TABLE_DELTA_ROWS = 32
+
+
+def with_table_delta(ints: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """A step's packed ``int32 [B, W]`` rows with the table delta's ``[R, 3]`` rows appended,
+    zero-padded to ``W`` columns: ``[B + R, W]`` (:func:`split_table_delta` inside the step)."""
+    tail = np.zeros((delta.shape[0], ints.shape[1]), np.int32)
+    tail[:, :3] = delta
+    return np.concatenate([ints, tail])
+
+
+def split_table_delta(table: jax.Array, ints: jax.Array, rows: int):
+    """Inside a step: ``(the first B rows of ints, table)`` with the last ``rows`` rows of
+    ``ints`` (``(handle, segment, word)``; handle out of range: padding) applied to the table,
+    which the step donates and returns, so it is updated in place."""
+    b = ints.shape[0] - rows
+    delta = ints[b:]
+    return ints[:b], table.at[delta[:, 0]].set(delta[:, 1:3], mode="drop")
+
+
+@functools.cache
+def _packed_decode(program: launch.ByTokens, rows: int) -> launch.ByTokens:
+    """``program`` (the arena decode: ``(state, buf, table, handles, pages, lengths, tokens)``)
+    on packed inputs: ``int32 [B + rows, 3 + MP]`` = handles, page table, lengths, tokens per
+    row, then the table delta (:func:`with_table_delta`); returns the decode's outputs, the
+    arena and the table (both donated)."""
+
+    def packed(state, buf, table, ints):
+        ints, table = split_table_delta(table, ints, rows)
+        mp = ints.shape[1] - 3
+        handles, pages, lengths, tokens = (
+            ints[:, 0],
+            ints[:, 1 : 1 + mp],
+            ints[:, 1 + mp],
+            ints[:, 2 + mp],
+        )
+        logits, am, hidden, buf = program.fn(state, buf, table, handles, pages, lengths, tokens)
+        return logits, am, hidden, buf, table
+
+    def tokens(args):  # one token a row
+        return args[3].shape[0] - rows
+
+    return launch.ByTokens(packed, program.graph_tokens, 3, count=tokens, donate_argnums=(1, 2))
+
+
 # GatedDeltaNet.tree verifies with use_qk_l2norm=True (the TreeCache's static flag, which the
 # arena's stash does not store)
 _TREE_QK_L2NORM = True
@@ -381,8 +428,10 @@ class ArenaRunner:
     Rows are addressed by handles: ``handles int32 [B]`` (each row's ``state`` handle, ``-1``
     for padding) and ``pages int32 [B, MP]`` (its ``kv`` handles in token order, ``-1``
     unmapped). The manager must use ``layout_for(model config, page_size)`` (checked). The
-    device handle table is re-uploaded only when the manager's layout changed since the last
-    step (``table_uploads`` counts the uploads).
+    device handle table stays in one buffer: :meth:`decode` and the speculative step take the
+    rows changed since the last step with their packed inputs and update it in place (up to
+    ``TABLE_DELTA_ROWS``); other steps have it re-uploaded into the buffer when the layout
+    changed (``table_uploads`` counts whole uploads).
 
     ``kernels``: how :meth:`verify` and :meth:`commit` touch the arena
     (:func:`serving.kernels.select_kernels`):
@@ -483,6 +532,8 @@ class ArenaRunner:
             self.make_cache,
             graph_tokens,
         )
+        # the engine's decode: host inputs packed in one array with the table's changes
+        self._decode_packed = _packed_decode(self._decode, TABLE_DELTA_ROWS)
         self._table = None
         self.table_uploads = 0
 
@@ -492,6 +543,7 @@ class ArenaRunner:
             for f in (
                 self._prefill,
                 self._decode,
+                self._decode_packed,
                 self._verify,
                 self._commit,
                 self._verify_transient,
@@ -537,10 +589,31 @@ class ArenaRunner:
         return logits, am, hidden
 
     def decode(self, handles, pages, lengths, tokens):
-        table = self.table()
-        logits, am, hidden, self._buf = self._decode(
-            self._state, self._buf, table, handles, pages, lengths, tokens
+        """``(logits [B, V], argmax [B], hidden [B, H])`` of one token per row. Host inputs go
+        to the device packed in one array with the handle table's changes (applied in place
+        by the step: no separate upload); device ``tokens`` (a previous step's argmax, fed
+        back) take the unpacked program."""
+        if isinstance(tokens, jax.Array):
+            table = self.table()
+            logits, am, hidden, self._buf = self._decode(
+                self._state, self._buf, table, handles, pages, lengths, tokens
+            )
+            return logits, am, hidden
+        table, delta = self.table_delta(TABLE_DELTA_ROWS)
+        b = np.shape(tokens)[0]
+        ints = np.concatenate(
+            [
+                np.asarray(handles, np.int32).reshape(b, 1),
+                np.asarray(pages, np.int32).reshape(b, -1),
+                np.asarray(lengths, np.int32).reshape(b, 1),
+                np.asarray(tokens, np.int32).reshape(b, 1),
+            ],
+            axis=1,
         )
+        logits, am, hidden, self._buf, table = self._decode_packed(
+            self._state, self._buf, table, with_table_delta(ints, delta)
+        )
+        self.adopt_table(table)
         return logits, am, hidden
 
     def verify(

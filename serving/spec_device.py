@@ -41,9 +41,7 @@ from serving import launch
 from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
 from serving.kernels import ArenaKernels
-
-# handle-table changes a step takes with its inputs (ArenaRunner.table_delta; more: an upload)
-TABLE_DELTA_ROWS = 32
+from serving.runner import TABLE_DELTA_ROWS, split_table_delta, with_table_delta
 
 # the offsets of the random streams of a step (folded into each row's key)
 _DRAFT_STREAM = 1 << 16
@@ -316,7 +314,7 @@ class ProgramKey:
     snapshot: bool
     sampling: bool  # False: every row of the batch is greedy
     nodes: int  # N: the tree's node slots (a budget tree's budget)
-    table_rows: int = 0  # rows of handle-table changes a step applies (TABLE_DELTA_ROWS)
+    table_rows: int = 0  # rows of handle-table changes a step applies (runner.TABLE_DELTA_ROWS)
     # the runners' cache builders: ArenaCache, or a multi-device placement
     make_target_cache: object = ArenaCache
     make_draft_cache: object = ArenaCache
@@ -519,8 +517,7 @@ def _program(key: ProgramKey):
         of ``ints``: handle-table changes, applied to ``table`` first); returns ``(int32 [B,
         depth + 2]`` (the emitted tokens, then their count), ``hidden [B, H]`` (the MTP
         drafter's; else None), the arena, the table)."""
-        ints, delta = ints[: ints.shape[0] - key.table_rows], ints[ints.shape[0] - key.table_rows :]
-        table = table.at[delta[:, 0]].set(delta[:, 1:3], mode="drop")
+        ints, table = split_table_delta(table, ints, key.table_rows)
         n, s = key.nodes, key.nodes if key.snapshot else 1
         widths = [1, None, 1, 1, n, n, s, 3, 1]
         fixed = sum(w for w in widths if w is not None)
@@ -611,7 +608,6 @@ class DeviceSpeculator:
         }
         self.num_nodes = spec.num_nodes
         self.calls = 0
-        self._zeros = {}  # batch -> device zeros [B, 1]: the hidden input of other drafters
 
     def compiled(self) -> int:
         return sum(
@@ -642,20 +638,16 @@ class DeviceSpeculator:
         b = root.shape[0]
         if tokens is None:
             tokens = parents = np.zeros((b, self.num_nodes), np.int32)
-        if hidden is None:  # only the MTP drafter reads it: a placeholder kept on the device
-            hidden = self._zeros.get(b)
-            if hidden is None:
-                hidden = self._zeros[b] = jnp.zeros((b, 1), jnp.float32)
+        if self.drafter != "mtp":
+            hidden = None  # only the MTP drafter reads it (None: nothing moves to the device)
         self.calls += 1
         ints, floats = pack_inputs(
             handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p
         )
         table, delta = r.table_delta(TABLE_DELTA_ROWS)
-        tail = np.zeros((TABLE_DELTA_ROWS, ints.shape[1]), np.int32)
-        tail[:, :3] = delta
         program = self._programs[bool(np.any(temp > 0))]
         packed, hid, r._buf, table = program(
-            r._state, self._dstate, r._buf, table, np.concatenate([ints, tail]), floats, hidden
+            r._state, self._dstate, r._buf, table, with_table_delta(ints, delta), floats, hidden
         )
         r.adopt_table(table)
         packed, hid = jax.device_get((packed, hid))

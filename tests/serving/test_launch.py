@@ -46,9 +46,9 @@ def test_engine_steps_take_the_variant_of_their_size(graph_tokens):
     llm = LLM(ASSETS / "target", **TINY, cuda_graph_max_tokens=graph_tokens)
     out = [o.token_ids for o in llm.generate(prompts, params)]
     runner = llm.engine.runner
-    graphs = runner._decode.graphs._cache_size() + runner._prefill.graphs._cache_size()
-    kernels = runner._decode.kernels._cache_size() + runner._prefill.kernels._cache_size()
-    assert (graphs > 0, kernels > 0) == (graph_tokens != 0, graph_tokens == 0)
+    for program in (runner._decode_packed, runner._prefill):  # the engine's decode and prefill
+        graphs, kernels = program.graphs._cache_size(), program.kernels._cache_size()
+        assert (graphs > 0, kernels > 0) == (graph_tokens != 0, graph_tokens == 0)
     ref = LLM(ASSETS / "target", **TINY)
     assert out == [o.token_ids for o in ref.generate(prompts, params)]
 
