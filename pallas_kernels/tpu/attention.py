@@ -22,12 +22,13 @@ against every KV head's keys of a page at once, ``S * Hkv`` key rows (row ``s * 
 masks the pairs whose heads differ (grouped heads: query head ``h`` reads KV head
 ``h // (Hq / Hkv)``); the row and column positions and heads come in as small int blocks. A
 ``fori_loop`` over the row's ``ceil(kv_len / S)`` pages runs the online softmax in f32 (dots at
-``Precision.HIGHEST``). Keys at or past ``kv_len`` (a recycled page holds arbitrary bits) and
-unmapped pages (handle ``-1``) read as zeros and score nothing; a query row with no key (a
-padding row) returns zeros.
+``Precision.HIGHEST``); page ``j + 1``'s K and V DMAs run while page ``j`` is computed (two
+buffers each). Keys at or past ``kv_len`` (a recycled page holds arbitrary bits) read as
+zeros and score nothing; an unmapped page (handle ``-1``) below ``kv_len`` reads as zeros that
+score 0, as the XLA path's gather of it; a query row with no key (a padding row) returns zeros.
 
 VMEM: the ``[P, T Hq, 128]`` f32 query and output blocks (``P`` = 1 for f32, 2 for bf16), two
-``[S Hkv, 128]`` word buffers and the ``[T Hq, S Hkv]`` scores; stated per call in
+double ``[S Hkv, 128]`` word buffers and the ``[T Hq, S Hkv]`` scores; stated per call in
 ``vmem_limit_bytes``.
 """
 
@@ -145,7 +146,7 @@ def paged_attention_arena(
         return [even, odd]
 
     def kernel(pt_ref, tab_ref, len_ref, q_ref, rp_ref, rh_ref, co_ref, ch_ref, ar_ref, o_ref,
-               kbuf, vbuf):  # fmt: skip
+               kbuf, vbuf, sem):  # fmt: skip
         i = pl.program_id(0)
         lim = len_ref[i]
         rpos, rhead = rp_ref[...], rh_ref[...]  # [R, 1]
@@ -153,25 +154,34 @@ def paged_attention_arena(
         key_off = jnp.transpose(coff)  # [C, 1]: each key row's offset in its page
         qs = [q_ref[p] for p in range(parts)]
 
-        def page(j, carry):
-            m, l, accs = carry
+        def copies(j, slot):
+            """Page ``j``'s K and V DMAs into buffer ``slot`` (an unmapped page: row 0 of
+            segment 0, masked out after the load)."""
             h = pt_ref[i, j]
             hh = jnp.maximum(h, 0)
-            seg, row = tab_ref[hh, 0], (tab_ref[hh, 1] + k_row * LANES) // LANES
+            seg = jnp.where(h >= 0, tab_ref[hh, 0], 0)
+            row = jnp.where(h >= 0, (tab_ref[hh, 1] + k_row * LANES) // LANES, 0)
+            return (
+                pltpu.make_async_copy(ar_ref.at[seg, pl.ds(row, c), :], kbuf.at[slot], sem.at[0, slot]),
+                pltpu.make_async_copy(ar_ref.at[seg, pl.ds(row + c, c), :], vbuf.at[slot], sem.at[1, slot]),
+            )  # fmt: skip
 
-            @pl.when(h >= 0)
+        def page(j, carry):
+            m, l, accs = carry
+            slot = j % 2
+
+            @pl.when(j + 1 < n)  # the next page loads while this one is computed
             def _():
-                pltpu.sync_copy(ar_ref.at[seg, pl.ds(row, c), :], kbuf)
-                pltpu.sync_copy(ar_ref.at[seg, pl.ds(row + c, c), :], vbuf)
+                for cp in copies(j + 1, 1 - slot):
+                    cp.start()
 
-            @pl.when(h < 0)
-            def _():
-                kbuf[...] = jnp.zeros(kbuf.shape, jnp.uint32)
-                vbuf[...] = jnp.zeros(vbuf.shape, jnp.uint32)
-
-            keep = (j * s_ + key_off) < lim  # [C, 1]: keys below kv_len (others: zeros)
-            ks = [jnp.where(keep, x, 0.0) for x in words_to(kbuf[...])]
-            vs = [jnp.where(keep, x, 0.0) for x in words_to(vbuf[...])]
+            for cp in copies(j, slot):
+                cp.wait()
+            mapped = pt_ref[i, j] >= 0
+            # keys below kv_len of a mapped page (others: zeros; a recycled page holds any bits)
+            keep = ((j * s_ + key_off) < lim) & mapped  # [C, 1]
+            ks = [jnp.where(keep, x, 0.0) for x in words_to(kbuf[slot])]
+            vs = [jnp.where(keep, x, 0.0) for x in words_to(vbuf[slot])]
             sc = sum(
                 jax.lax.dot_general(
                     qq,
@@ -196,12 +206,18 @@ def paged_attention_arena(
             ]
             return m_new, l, accs
 
+        n = (lim + s_ - 1) // s_
+
+        @pl.when(n > 0)
+        def _():
+            for cp in copies(0, 0):
+                cp.start()
+
         init = (
             jnp.full((r, 1), NEG, F32),
             jnp.zeros((r, 1), F32),
             [jnp.zeros((r, LANES), F32) for _ in range(parts)],
         )
-        n = (lim + s_ - 1) // s_
         _, l, accs = jax.lax.fori_loop(0, n, page, init)
         inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
         for p_, a in enumerate(accs):
@@ -209,7 +225,7 @@ def paged_attention_arena(
 
     need = vmem_bytes(
         [((parts, r, LANES), F32)] * 2 + [((r, 1), jnp.int32)] * 2 + [((1, c), jnp.int32)] * 2,
-        scratch=[((c, LANES), jnp.uint32)] * 2,
+        scratch=[((2, c, LANES), jnp.uint32)] * 2,
         temporaries=[((r, c), F32)] * 3 + [((c, LANES), F32)] * (2 * parts),
     )
     qspec = pl.BlockSpec((parts, None, r, LANES), lambda i, *_: (0, i, 0, 0))
@@ -227,7 +243,11 @@ def paged_attention_arena(
                 any_spec(),
             ],
             out_specs=qspec,
-            scratch_shapes=[pltpu.VMEM((c, LANES), jnp.uint32)] * 2,
+            scratch_shapes=[
+                pltpu.VMEM((2, c, LANES), jnp.uint32),
+                pltpu.VMEM((2, c, LANES), jnp.uint32),
+                pltpu.SemaphoreType.DMA((2, 2)),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct((parts, b, r, LANES), F32),
         compiler_params=compiler_params("paged_attention_arena", need, ("parallel",)),

@@ -15,9 +15,10 @@ from pallas_kernels.tpu import paged_attention_arena
 LANES = 128
 
 
-def _scene(rng, dtype, *, b, t, hq, hkv, s, layers, layer, lens, q_pos):
+def _scene(rng, dtype, *, b, t, hq, hkv, s, layers, layer, lens, q_pos, hole=False):
     """A random arena (every word random bits), KV units for each row's pages holding random
-    K/V values at the committed positions, the table, page handles and the float64 K/V."""
+    K/V values at the committed positions, the table, page handles and the float64 K/V.
+    ``hole``: row 0's second page unmapped (handle -1: zero K/V, as the XLA path gathers it)."""
     parts = 1 if dtype == np.float32 else 2
     d = LANES * parts
     kv_offset = 2 * LANES
@@ -47,6 +48,10 @@ def _scene(rng, dtype, *, b, t, hq, hkv, s, layers, layer, lens, q_pos):
                 words[stale:] = 0x7FC00000  # past kv_len: a recycled page's NaN bits
                 start = table[h, 1] + kv_offset + (layer * 2 + kv) * block
                 arena[table[h, 0], start : start + block] = words
+    if hole:
+        assert lens[0] > 2 * s
+        handles[0, 1] = -1
+        k64[0, s : 2 * s] = v64[0, s : 2 * s] = 0.0
     return arena, table, handles, k64, v64, kv_offset
 
 
@@ -58,7 +63,7 @@ def _reference(q, k64, v64, lens, q_pos, scale):
         for tt in range(t):
             keys = [j for j in range(lens[i]) if j <= q_pos[i, tt]]
             if not keys:
-                continue
+                continue  # a padding row: zeros
             for h in range(hq):
                 kh = h // (hq // hkv)
                 sc = k64[i, keys, kh] @ q[i, tt, h].astype(np.float64) * scale
@@ -68,22 +73,23 @@ def _reference(q, k64, v64, lens, q_pos, scale):
 
 
 @pytest.mark.parametrize(
-    "dtype, t, lens, hq, hkv, s",
+    "dtype, t, lens, hq, hkv, s, hole",
     [
-        (np.float32, 1, [13, 0, 5], 4, 2, 8),  # decode, a padding row
-        (np.float32, 3, [11, 3], 2, 1, 4),  # a prefill chunk, causal within it
-        (ml_dtypes.bfloat16, 1, [9, 17], 4, 1, 8),
-        (ml_dtypes.bfloat16, 2, [6, 12], 2, 2, 4),
+        (np.float32, 1, [13, 0, 5], 4, 2, 8, False),  # decode, a padding row
+        (np.float32, 3, [11, 3], 2, 1, 4, True),  # a prefill chunk; an unmapped page
+        (ml_dtypes.bfloat16, 1, [9, 17], 4, 1, 8, False),
+        (ml_dtypes.bfloat16, 2, [10, 12], 2, 2, 4, True),
     ],
 )
-def test_paged_attention_arena_matches_float64(dtype, t, lens, hq, hkv, s):
+def test_paged_attention_arena_matches_float64(dtype, t, lens, hq, hkv, s, hole):
     rng = np.random.default_rng(len(lens) * 100 + t * 10 + hq)
     b = len(lens)
     # queries at the last t positions of each row (a row of length 0 is padding)
     q_pos = np.array([[max(n - t + i, 0) for i in range(t)] for n in lens], np.int32)
     arena, table, handles, k64, v64, kv_offset = _scene(
-        rng, dtype, b=b, t=t, hq=hq, hkv=hkv, s=s, layers=2, layer=1, lens=lens, q_pos=q_pos
-    )
+        rng, dtype, b=b, t=t, hq=hq, hkv=hkv, s=s, layers=2, layer=1, lens=lens, q_pos=q_pos,
+        hole=hole,
+    )  # fmt: skip
     d = k64.shape[-1]
     q = rng.standard_normal((b, t, hq, d)).astype(dtype)
     scale = d**-0.5
