@@ -217,6 +217,14 @@ class ModelRunner:
 TABLE_DELTA_ROWS = 32
 
 
+def pack_columns(b: int, *arrays, dtype=np.int32) -> np.ndarray:
+    """Host arrays of ``b`` rows each (``[B]`` or ``[B, ...]``) side by side as one ``[B, W]``
+    array of ``dtype``: a step's per-row inputs moved to the device as one buffer."""
+    return np.concatenate(
+        [np.asarray(x).reshape(b, -1).astype(dtype, copy=False) for x in arrays], axis=1
+    )
+
+
 def with_table_delta(ints: np.ndarray, delta: np.ndarray) -> np.ndarray:
     """A step's packed ``int32 [B, W]`` rows with the table delta's ``[R, 3]`` rows appended,
     zero-padded to ``W`` columns: ``[B + R, W]`` (:func:`split_table_delta` inside the step)."""
@@ -564,9 +572,9 @@ class ArenaRunner:
         layout's changes itself (:meth:`MemoryManager.device_delta`); hand the table it
         returns to :meth:`adopt_table`."""
         t, delta = self.manager.device_delta(rows)
-        if t is not self._table and delta[0, 0] == self.manager._handles.capacity:
-            self.table_uploads += 1  # uploaded whole
-        self._table = t
+        if t is not self._table:  # uploaded whole (as in table())
+            self._table = t
+            self.table_uploads += 1
         return t, delta
 
     def adopt_table(self, table: jax.Array) -> None:
@@ -600,16 +608,7 @@ class ArenaRunner:
             )
             return logits, am, hidden
         table, delta = self.table_delta(TABLE_DELTA_ROWS)
-        b = np.shape(tokens)[0]
-        ints = np.concatenate(
-            [
-                np.asarray(handles, np.int32).reshape(b, 1),
-                np.asarray(pages, np.int32).reshape(b, -1),
-                np.asarray(lengths, np.int32).reshape(b, 1),
-                np.asarray(tokens, np.int32).reshape(b, 1),
-            ],
-            axis=1,
-        )
+        ints = pack_columns(np.shape(tokens)[0], handles, pages, lengths, tokens)
         logits, am, hidden, self._buf, table = self._decode_packed(
             self._state, self._buf, table, with_table_delta(ints, delta)
         )

@@ -41,7 +41,7 @@ from serving import launch
 from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
 from serving.kernels import ArenaKernels
-from serving.runner import TABLE_DELTA_ROWS, split_table_delta, with_table_delta
+from serving.runner import TABLE_DELTA_ROWS, pack_columns, split_table_delta, with_table_delta
 
 # the offsets of the random streams of a step (folded into each row's key)
 _DRAFT_STREAM = 1 << 16
@@ -545,25 +545,16 @@ def _program(key: ProgramKey):
 
 def pack_inputs(handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p):
     """A step's per-row inputs as two host arrays, so a step moves two small buffers to the
-    device instead of eleven (each host-to-device copy of a jitted call's argument costs tens of
-    microseconds on a GPU host): ``int32 [B, 1 + MP + 1 + 1 + N + N + S + 3 + 1]`` (handles,
-    page table, lengths, roots, tree tokens and parents, scratch handles (``S`` = N per-node
-    snapshots, else 1), seeds (uint32 bits), top-k) and ``float32 [B, 2]`` (temperature,
-    top-p)."""
+    device instead of eleven (each argument of a jitted call is a host-to-device copy of its
+    own): ``int32 [B, 1 + MP + 1 + 1 + N + N + S + 3 + 1]`` (handles, page table, lengths, roots,
+    tree tokens and parents, scratch handles (``S`` = N per-node snapshots, else 1), seeds
+    (uint32 bits), top-k) and ``float32 [B, 2]`` (temperature, top-p)."""
     b = np.shape(root)[0]
-
-    def col(x, dtype=np.int32):
-        return np.asarray(x).reshape(b, -1).astype(dtype, copy=False)
-
-    ints = np.concatenate(
-        [
-            col(handles), col(pages), col(lengths), col(root), col(tokens), col(parents),
-            col(scratch), col(np.asarray(seeds, np.uint32)).view(np.int32), col(top_k),
-        ],
-        axis=1,
-    )  # fmt: skip
-    floats = np.concatenate([col(temp, np.float32), col(top_p, np.float32)], axis=1)
-    return ints, floats
+    seed_bits = np.asarray(seeds, np.uint32).reshape(b, -1).view(np.int32)
+    ints = pack_columns(
+        b, handles, pages, lengths, root, tokens, parents, scratch, seed_bits, top_k
+    )
+    return ints, pack_columns(b, temp, top_p, dtype=np.float32)
 
 
 class DeviceSpeculator:

@@ -255,8 +255,8 @@ class HandleTable:
         handle ``capacity`` (out of range: dropped). A step program given both applies the
         delta to the table (donated, so in place) and returns it, and the caller hands the
         result back with :meth:`adopt`: the changes reach the device with the step's other
-        inputs instead of in an upload and a program of their own (a few hundred microseconds
-        a step on a GPU host, where a speculative step changes the layout in most steps).
+        inputs instead of in an upload and a program of their own (a speculative step changes
+        the layout in most steps).
         With more than ``rows`` changes, or no table on ``device`` to update, the table is
         uploaded whole (:meth:`device_table`) and the delta is empty."""
         delta = np.zeros((rows, 3), np.int32)
