@@ -504,16 +504,21 @@ class ArenaCache:
 
         With the attention kernel selected, the pages are read in place: with draft K/V (the
         tree verify, whose queries all sit at or after the committed keys, so the causal bound
-        is ``kv_len``) by :func:`pallas_kernels.attention.arena.tree_attention`, without (decode,
-        prefill: the new tokens' K/V already written) by
+        is ``kv_len``) by :func:`pallas_kernels.attention.arena.tree_attention` (on the TPU
+        kernels :func:`pallas_kernels.tpu.tree_attention_arena`), without (decode, prefill: the
+        new tokens' K/V already written) by
         :func:`pallas_kernels.attention.arena.paged_attention`, causal in ``q_pos`` (on the TPU
         kernels :func:`pallas_kernels.tpu.paged_attention_arena`). Queries of a shape that
         kernel does not take go to XLA (a ``ValueError`` when ``strict``)."""
         sp = self.spec
         kn = self.kernels
         self._no_pending("attention")
-        if draft_k is not None and kn.attention and kn.takes(draft_k.shape[1], "tree attention"):
-            from pallas_kernels.attention.arena import tree_attention
+        tree = draft_k is not None and (kn.attention or kn.tpu_attention)
+        if tree and kn.takes(draft_k.shape[1], "tree attention"):
+            if kn.tpu_attention:
+                from pallas_kernels.tpu import tree_attention_arena as tree_attention
+            else:
+                from pallas_kernels.attention.arena import tree_attention
 
             return tree_attention(
                 q,

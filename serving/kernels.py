@@ -12,7 +12,10 @@ layers (:func:`pallas_kernels.decode.conv.conv_step` and
 ``kernels="pallas"`` only, prefill's GDN layers
 (:func:`pallas_kernels.decode.arena.recurrent_prefill`, the arena aliased; ``kernels="auto"``
 keeps XLA's chunked prefill). A geometry the kernels do not take (the misfit checks below)
-stays on XLA windows, or raises with ``kernels="pallas"``.
+stays on XLA windows, or raises with ``kernels="pallas"``. ``kernels="pallas_tpu"`` takes the
+Mosaic TPU versions (:mod:`pallas_kernels.tpu`) of the GDN verify, commit and decode step and
+of the attention: decode's and prefill's (``paged_attention_arena``) and the tree verify's
+(``tree_attention_arena``).
 
 ``"auto"`` takes the tree kernels up to :data:`gdn_jax.pallas_routes.AUTO_MAX_NODES` nodes
 (where the dense kernels were measured faster than XLA on the H200); an explicit ``"pallas"``
@@ -49,9 +52,12 @@ class ArenaKernels:
     - ``tpu``: the Mosaic TPU versions of the GDN kernels (:mod:`pallas_kernels.tpu`:
       ``tree_verify_arena``, ``tree_commit_arena``, ``recurrent_step_arena``) instead of the
       GPU ones; prefill's GDN layers stay on XLA;
-    - ``tpu_attention``: decode's and prefill's attention layers by the TPU kernel
-      (:func:`pallas_kernels.tpu.paged_attention_arena`, the KV pages read in place); the tree
-      verify's attention stays on XLA;
+    - ``tpu_attention``: every attention layer by the TPU kernels (the KV pages read in
+      place): decode's and prefill's by :func:`pallas_kernels.tpu.paged_attention_arena`, the
+      tree verify's (committed pages, then the draft K/V along each node's path) by
+      :func:`pallas_kernels.tpu.tree_attention_arena`, for trees of at most ``max_nodes``
+      nodes within the VMEM cap (:func:`pallas_kernels.tpu.tree_attention_vmem`; a larger
+      tree raises a ``ValueError``);
     - ``interpret``: run them in Pallas interpret mode (the GPU kernels off a GPU, the TPU
       kernels in TPU interpret mode off a TPU);
     - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
@@ -110,9 +116,11 @@ def _gdn_misfits(spec: ArenaSpec, config) -> list[str]:
 
 
 def _tpu_attention_misfits(spec: ArenaSpec) -> list[str]:
-    """Why the TPU paged attention kernel cannot read this arena's KV pages (empty: it can):
-    a head row must be one 128-word lane row and the K/V blocks start on a row
-    (:mod:`pallas_kernels.tpu.attention`)."""
+    """Why the TPU attention kernels (paged and tree) cannot read this arena's KV pages
+    (empty: they can): a head row must be one 128-word lane row and the K/V blocks start on a
+    row (:mod:`pallas_kernels.tpu.attention`). The tree kernel's further limits depend on the
+    tree: ``N <= max_nodes`` (:meth:`ArenaKernels.takes`) and its VMEM budget
+    (:func:`pallas_kernels.tpu.tree_attention_vmem`, checked when it is traced)."""
     from pallas_kernels.tpu._common import LANES as TPU_LANES
 
     dt = jnp.dtype(spec.kv_dtype)
@@ -183,9 +191,9 @@ def select_kernels(
     attention), XLA elsewhere; ``"pallas"``: the kernels everywhere (interpret mode off GPU),
     a ``ValueError`` naming ``kernels`` when the geometry does not fit; ``"pallas_tpu"``: the
     TPU GDN kernels (verify, commit, decode step; TPU interpret mode off a TPU), a
-    ``ValueError`` when the geometry does not fit them, and the TPU paged attention for decode
-    and prefill where the head rows fit it (else XLA). Returns the choice and the reasons for
-    every part left on XLA."""
+    ``ValueError`` when the geometry does not fit them, and the TPU attention kernels (paged
+    for decode and prefill, tree for the tree verify) where the head rows fit them (else XLA).
+    Returns the choice and the reasons for every part left on XLA."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if kernels == "xla":
@@ -209,11 +217,9 @@ def select_kernels(
             tpu=True,
             tpu_attention=not attn_bad,
         )
-        if not spec.attn_layers:
-            return choice, ()
-        if attn_bad:
+        if attn_bad and spec.attn_layers:
             return choice, (f"attention on XLA: {'; '.join(attn_bad)}",)
-        return choice, ("the tree verify's attention on XLA: no TPU tree attention kernel",)
+        return choice, ()
     if kernels == "auto" and backend != "gpu":
         note = (
             f"kernels='auto' on the {backend} backend: the arena Pallas kernels (Triton) are "

@@ -8,8 +8,10 @@
   tokens, ``cu_seqlens``);
 - :mod:`pallas_kernels.tpu.decode`: token-by-token steps, in place (``recurrent``,
   ``recurrent_step``, ``recurrent_step_arena``);
-- :mod:`pallas_kernels.tpu.attention`: paged attention (decode, prefill) over KV pages read
-  in place from the serving memory arena (``paged_attention_arena``);
+- :mod:`pallas_kernels.tpu.attention`: paged attention (decode, prefill) and tree attention
+  (the tree verify: committed pages, then the draft K/V along each node's path) over KV pages
+  read in place from the serving memory arena (``paged_attention_arena``,
+  ``tree_attention_arena``);
 - :mod:`pallas_kernels.tpu.moe`: the routed MoE experts through jax's megablox ``gmm`` (jax's
   kernel, not ours);
 - :mod:`pallas_kernels.tpu._common` / ``_arena``: explicit bf16-split dots, layouts, VMEM
@@ -21,7 +23,11 @@ interpret mode (``pltpu.InterpretParams``) on any backend.
 """
 
 from pallas_kernels.tpu._common import lower_for_tpu
-from pallas_kernels.tpu.attention import paged_attention_arena
+from pallas_kernels.tpu.attention import (
+    paged_attention_arena,
+    tree_attention_arena,
+    tree_attention_vmem,
+)
 from pallas_kernels.tpu.chunk import TpuChunkBlocks, chunk_gated_delta_rule
 from pallas_kernels.tpu.commit import TpuCommitBlocks, tree_commit, tree_commit_arena
 from pallas_kernels.tpu.decode import recurrent, recurrent_step, recurrent_step_arena
@@ -46,6 +52,8 @@ __all__ = [
     "recurrent_step_arena",
     "routed_experts_gmm",
     "tree_commit",
+    "tree_attention_arena",
+    "tree_attention_vmem",
     "tree_commit_arena",
     "tree_verify",
     "tree_verify_arena",

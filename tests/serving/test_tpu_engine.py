@@ -1,7 +1,7 @@
 """The engine on the TPU kernels (``LLM(kernels="pallas_tpu")``, TPU interpret mode on CPU): the
-arena's units on 128-word lane rows, tree verify, commit, the decode step and decode's and
-prefill's paged attention by the Mosaic TPU kernels reading the arena in place, the same greedy
-tokens as the XLA path."""
+arena's units on 128-word lane rows, tree verify, commit, the decode step, decode's and
+prefill's paged attention and the tree verify's attention by the Mosaic TPU kernels reading the
+arena in place, the same greedy tokens as the XLA path."""
 
 from __future__ import annotations
 
@@ -52,14 +52,19 @@ def test_pallas_tpu_misfit_names_the_dim(target):
         (None, {"recurrent_step_arena", "paged_attention_arena"}),
         (
             SpecConfig(method="ngram", tree=(2, 2)),
-            {"tree_verify_arena", "tree_commit_arena", "paged_attention_arena"},
+            {
+                "tree_verify_arena",
+                "tree_commit_arena",
+                "paged_attention_arena",
+                "tree_attention_arena",
+            },
         ),
     ],
 )
 def test_pallas_tpu_engine_matches_xla(model, spec, traced, monkeypatch):
     """Plain decoding (the decode step's kernel) and tree WY speculation (verify and commit)
     give the XLA path's greedy tokens, and the engine's programs took the TPU kernels (the
-    paged attention in prefill and decode)."""
+    paged attention in prefill and decode, the tree attention in the tree verify)."""
     calls = set()
     for name in traced:
         fn = getattr(pallas_tpu, name)

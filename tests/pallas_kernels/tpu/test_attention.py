@@ -1,7 +1,10 @@
-"""The TPU paged attention over the arena (:func:`pallas_kernels.tpu.paged_attention_arena`,
-TPU interpret mode) against float64 attention over the same pages, decode and prefill rows,
-f32 and bf16 caches, grouped heads; recycled pages full of random bits (NaN patterns included)
-past ``kv_len``; a padding row."""
+"""The TPU attention kernels over the arena in TPU interpret mode: the paged attention
+(:func:`pallas_kernels.tpu.paged_attention_arena`; decode and prefill rows, a padding row) and
+the tree attention (:func:`pallas_kernels.tpu.tree_attention_arena`; random chains, stars,
+forests and padded trees, ``kv_len`` 0 and off page boundaries) against float64 attention over
+the same pages and the XLA path; f32 and bf16 caches, grouped heads; recycled pages full of
+random bits (NaN patterns included) past ``kv_len``, an unmapped page below it; the input
+checks and the Mosaic lowering at Qwen3.5's geometry."""
 
 from __future__ import annotations
 
@@ -9,22 +12,28 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pallas_kernels.tpu import paged_attention_arena
+from gdn_jax.models.tree_attention import attend_committed
+from pallas_kernels.tpu import paged_attention_arena, tree_attention_arena, tree_attention_vmem
+from tests.gdn_jax.reference import rel_err
+from tests.gdn_jax.strategies import make_tree
 
 LANES = 128
 
 
-def _scene(rng, dtype, *, b, t, hq, hkv, s, layers, layer, lens, q_pos, hole=False):
+def _scene(rng, dtype, *, b, hkv, s, layers, layer, lens, hole=False, mp=None):
     """A random arena (every word random bits), KV units for each row's pages holding random
     K/V values at the committed positions, the table, page handles and the float64 K/V.
-    ``hole``: row 0's second page unmapped (handle -1: zero K/V, as the XLA path gathers it)."""
+    ``hole``: row 0's second page unmapped (handle -1: zero K/V, as the XLA path gathers it).
+    ``mp``: pages per row in the table (default: one unmapped page past the longest row)."""
     parts = 1 if dtype == np.float32 else 2
     d = LANES * parts
     kv_offset = 2 * LANES
     block = s * hkv * LANES  # words of one (layer, K or V) block
     unit = kv_offset + layers * 2 * block
-    mp = max(-(-n // s) for n in lens) + 1  # one unmapped page past the longest row
+    mp = mp or max(-(-n // s) for n in lens) + 1
     units = b * mp
     seg_words = 4 * unit
     nseg = -(-units // 4)
@@ -87,9 +96,8 @@ def test_paged_attention_arena_matches_float64(dtype, t, lens, hq, hkv, s, hole)
     # queries at the last t positions of each row (a row of length 0 is padding)
     q_pos = np.array([[max(n - t + i, 0) for i in range(t)] for n in lens], np.int32)
     arena, table, handles, k64, v64, kv_offset = _scene(
-        rng, dtype, b=b, t=t, hq=hq, hkv=hkv, s=s, layers=2, layer=1, lens=lens, q_pos=q_pos,
-        hole=hole,
-    )  # fmt: skip
+        rng, dtype, b=b, hkv=hkv, s=s, layers=2, layer=1, lens=lens, hole=hole
+    )
     d = k64.shape[-1]
     q = rng.standard_normal((b, t, hq, d)).astype(dtype)
     scale = d**-0.5
@@ -165,4 +173,163 @@ def test_paged_attention_arena_lowers_to_mosaic(t):
         S((b, mp), jnp.int32),
         S((b,), jnp.int32),
         S((b, t), jnp.int32),
+    )
+
+
+# ------------------------------------------------------------------------- tree attention
+
+
+def _path_mask(parents):
+    """bool ``[B, N, N]``: node ``m`` on the root-to-node path of ``n`` (itself included; a
+    padding node ``-2`` sees itself only), as ``gdn_jax.tree_wy.ancestor_closure``."""
+    b, n = parents.shape
+    mask = np.zeros((b, n, n), bool)
+    for i in range(b):
+        for node in range(n):
+            m = node
+            while m >= 0:
+                mask[i, node, m] = True
+                m = parents[i, m] if parents[i, m] >= 0 else -1
+    return mask
+
+
+def _tree_reference(q, k64, v64, lens, dk, dv, mask, scale):
+    """float64 softmax of each node over its row's committed keys ``j < kv_len`` and the
+    draft keys on its path, one softmax over both."""
+    b, n, hq, d = q.shape
+    hkv = k64.shape[2]
+    out = np.zeros((b, n, hq, d))
+    for i in range(b):
+        for node in range(n):
+            path = np.flatnonzero(mask[i, node])
+            for h in range(hq):
+                kh = h // (hq // hkv)
+                keys = np.concatenate([k64[i, : lens[i], kh], dk[i, path, kh]])
+                vals = np.concatenate([v64[i, : lens[i], kh], dv[i, path, kh]])
+                sc = keys @ q[i, node, h].astype(np.float64) * scale
+                p = np.exp(sc - sc.max())
+                out[i, node, h] = (p / p.sum()) @ vals
+    return out
+
+
+def _check_tree(rng, dtype, parents, lens, *, hq, hkv, s, hole=False, mp=None):
+    """The TPU tree attention on a fresh random scene against float64 and the XLA path
+    (``attend_committed`` over the gathered pages, nodes at ``kv_len + depth - 1``)."""
+    b, n = parents.shape
+    arena, table, handles, k64, v64, kv_offset = _scene(
+        rng, dtype, b=b, hkv=hkv, s=s, layers=2, layer=1, lens=lens, hole=hole, mp=mp
+    )
+    d = k64.shape[-1]
+    q, dk, dv = (rng.standard_normal((b, n, h, d)).astype(dtype) for h in (hq, hkv, hkv))
+    mask = _path_mask(parents)
+    scale = d**-0.5
+    kv_len = jnp.asarray(lens, jnp.int32)
+    got = tree_attention_arena(
+        jnp.asarray(q), jnp.asarray(arena), jnp.asarray(table), jnp.asarray(handles), kv_len,
+        jnp.asarray(dk), jnp.asarray(dv), jnp.asarray(mask),
+        layer=1, kv_offset=kv_offset, page_size=s, kv_dtype=jnp.dtype(dtype), scale=scale,
+        interpret=True,
+    )  # fmt: skip
+    assert got.shape == q.shape and got.dtype == q.dtype
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got))
+    want = _tree_reference(q, k64, v64, lens, dk.astype(np.float64), dv.astype(np.float64),
+                           mask, scale)  # fmt: skip
+    q_pos = kv_len[:, None] + jnp.asarray(mask.sum(-1) - 1, jnp.int32)
+    xla = attend_committed(
+        jnp.asarray(q), jnp.asarray(k64, dtype), jnp.asarray(v64, dtype), kv_len, q_pos,
+        scale=scale, draft_k=jnp.asarray(dk), draft_v=jnp.asarray(dv),
+        draft_mask=jnp.asarray(mask),
+    )  # fmt: skip
+    tol = 1e-4 if dtype == np.float32 else 1e-2  # bf16: the output rounded to bf16
+    assert rel_err(got, want) < tol
+    assert rel_err(got, np.asarray(xla, np.float64)) < tol
+
+
+@pytest.mark.parametrize(
+    "dtype, kinds, lens, hq, hkv, s, hole",
+    [
+        # kv_len 0 and off a page boundary, grouped heads, an unmapped page below kv_len
+        (np.float32, ("forest", "chain"), [0, 13, 11], 4, 2, 4, True),
+        (ml_dtypes.bfloat16, ("star", "padded"), [9, 4], 4, 1, 8, False),
+    ],
+)
+def test_tree_attention_arena_matches_float64(dtype, kinds, lens, hq, hkv, s, hole):
+    rng = np.random.default_rng(sum(lens) + hq)
+    trees = [make_tree(kinds[i % len(kinds)], 5, rng) for i in range(len(lens))]
+    if hole:
+        lens = [lens[1], lens[0], *lens[2:]]  # row 0 needs two full pages for the hole
+    _check_tree(rng, dtype, np.stack(trees), lens, hq=hq, hkv=hkv, s=s, hole=hole)
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    kinds=st.lists(
+        st.sampled_from(["chain", "star", "random", "forest", "padded"]), min_size=2, max_size=2
+    ),  # fmt: skip
+    lens=st.lists(st.integers(0, 19), min_size=2, max_size=2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tree_attention_arena_random_trees(kinds, lens, seed):
+    """Random trees of 16 nodes over random committed lengths (one compiled program: the
+    shapes stay, the topology and lengths are data)."""
+    rng = np.random.default_rng(seed)
+    parents = np.stack([make_tree(kind, 16, rng) for kind in kinds])
+    _check_tree(rng, np.float32, parents, lens, hq=2, hkv=1, s=4, mp=6)
+
+
+def test_tree_attention_arena_refuses_misfits():
+    b, n = 1, 4
+    q = jnp.zeros((b, n, 2, 128), jnp.float32)
+    draft = jnp.zeros((b, n, 1, 128), jnp.float32)
+    args = (
+        jnp.zeros((1, 1024), jnp.uint32), jnp.zeros((4, 2), jnp.int32),
+        jnp.zeros((b, 2), jnp.int32), jnp.ones((b,), jnp.int32),
+    )  # fmt: skip
+    kw = dict(layer=0, kv_offset=0, page_size=4, kv_dtype=jnp.float32, scale=1.0, interpret=True)
+    mask = jnp.ones((b, n, n), bool)
+    with pytest.raises(ValueError, match="head_dim"):
+        tree_attention_arena(q[..., :64], *args, draft[..., :64], draft[..., :64], mask, **kw)
+    with pytest.raises(ValueError, match="draft_mask"):
+        tree_attention_arena(q, *args, draft, draft, mask[:, :2], **kw)
+    with pytest.raises(ValueError, match="draft_v"):
+        tree_attention_arena(q, *args, draft, draft[:, :2], mask, **kw)
+    with pytest.raises(ValueError, match="query heads"):
+        tree_attention_arena(q[:, :, :1], *args, jnp.zeros((b, n, 2, 128)), draft, mask, **kw)
+    assert tree_attention_vmem(1024, 64, 1, 16, jnp.bfloat16) > 64 << 20
+    big = jnp.zeros((b, 1024, 64, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="VMEM"):
+        tree_attention_arena(
+            big, *args, big[:, :, :1], big[:, :, :1], jnp.ones((b, 1024, 1024), bool),
+            **{**kw, "kv_dtype": jnp.bfloat16, "page_size": 16},
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_tree_attention_arena_lowers_to_mosaic(n):
+    """Qwen3.5's full-attention geometry (bf16, head dim 256, 16 query heads on 2 KV heads,
+    16-token pages): trees of 64 and 128 nodes lower to one Mosaic kernel."""
+    from jax import ShapeDtypeStruct as S
+
+    from tests.pallas_kernels.tpu.common import lowers
+
+    b, mp = 2, 8
+
+    def fn(q, arena, table, pages, kv_len, dk, dv, mask):
+        return tree_attention_arena(
+            q, arena, table, pages, kv_len, dk, dv, mask, layer=1, kv_offset=256,
+            page_size=16, kv_dtype=jnp.bfloat16, scale=0.0625,
+        )  # fmt: skip
+
+    draft = S((b, n, 2, 256), jnp.bfloat16)
+    assert lowers(
+        fn,
+        S((b, n, 16, 256), jnp.bfloat16),
+        S((4, 1 << 16), jnp.uint32),
+        S((64, 2), jnp.int32),
+        S((b, mp), jnp.int32),
+        S((b,), jnp.int32),
+        draft,
+        draft,
+        S((b, n, n), jnp.bool_),
     )
