@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from serving.bench import ASSETS
+from serving.bench import ASSETS, BENCH_TREE
 
 CACHE = str(Path.home() / ".cache" / "gdn_jax_xla")
 EPILOG = "Shipped models: serving/assets/tiny/{target,draft} (byte-level, see serving/README.md)."
@@ -67,9 +67,13 @@ def _spec_args(
     p.add_argument(
         "--tree",
         type=_tree,
-        default=(4, 2, 2),
+        default=BENCH_TREE if bench else (4, 2, 2),
         help="static draft tree, children per depth: 4,2,2 = 29 nodes; 1,1,1,1 = a chain "
-        "(default: 4,2,2; bench: the tree rows, the chain row has as many levels)",
+        + (
+            "(the tree rows; the chain row has as many levels; default: 2,1,1,1,1 = 11 nodes)"
+            if bench
+            else "(default: 4,2,2)"
+        ),
     )
     if bench:
         return
