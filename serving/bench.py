@@ -3,7 +3,8 @@ snapshot and tree WY verification, one engine each, after a warm-up run that com
 program (so the timed run measures a steady state). Prints a table and writes JSON.
 
 Metrics: throughput (generated tokens per second of the timed run; with ``repeats`` runs, the
-run of median wall time, whose TTFT and TPOT are reported too), mean TTFT and TPOT over
+run of median wall time, whose TTFT and TPOT are reported too) and its ratio to the
+no-speculation row's (``x_plain``), mean TTFT and TPOT over
 requests, mean acceptance length (tokens emitted per verify step, 1.0 without speculation),
 and speculative memory: the manager's bytes of speculative scratch per request (one tree-WY
 ``stash`` of N nodes, or N per-node ``snapshot`` states) and for the whole batch.
@@ -160,6 +161,7 @@ def run(
     base = rows[0]["outputs"]
     for r in rows:
         r["same_tokens_as_plain"] = r.pop("outputs") == base
+        r["x_plain"] = r["throughput_tok_s"] / rows[0]["throughput_tok_s"]
     print(table(rows, method))
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2))
@@ -171,13 +173,15 @@ def run(
 
 def table(rows: list[dict], method: str) -> str:
     head = (
-        f"| method ({method} drafter, {rows[0]['kernels']} kernels) | nodes | tok/s | TTFT ms | TPOT ms | mean accept len "
-        "| spec memory / request | spec memory / batch | same tokens |"
+        f"| method ({method} drafter, {rows[0]['kernels']} kernels) | nodes | tok/s | x plain "
+        "| TTFT ms | TPOT ms | mean accept len | spec memory / request | spec memory / batch "
+        "| same tokens |"
     )
-    lines = [head, "|" + " --- |" * 9]
+    lines = [head, "|" + " --- |" * 10]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['nodes']} | {r['throughput_tok_s']:.1f} | {r['ttft_ms']:.1f} "
+            f"| {r['method']} | {r['nodes']} | {r['throughput_tok_s']:.1f} | {r['x_plain']:.2f} "
+            f"| {r['ttft_ms']:.1f} "
             f"| {r['tpot_ms']:.2f} | {r['mean_acceptance_length']:.2f} "
             f"| {_fmt_bytes(r['spec_bytes_per_request'])} | {_fmt_bytes(r['spec_bytes_batch'])} "
             f"| {'yes' if r['same_tokens_as_plain'] else 'NO'} |"
