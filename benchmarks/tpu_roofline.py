@@ -32,6 +32,15 @@ node reads its parent's f32 state and writes its own) over the predicted tree WY
 
 Trees: each node's parent drawn among the 6 previous nodes (as the GPU benchmark), bf16 q, k,
 v, f32 g, beta, states, ``use_qk_l2norm``.
+
+Attention (``paged_attention_arena`` for decode, ``tree_attention_arena`` for the tree verify)
+at Qwen3.5-35B-A3B's full-attention dims (16 query heads on 2 KV heads of 256), a bf16 cache in
+16-token pages (the engine's page size) and 4096 committed keys a row: the arena stays in HBM
+outside the block specs, so the kernel's bytes add the pages its own DMAs move (every page of
+K and V of the row, whole), and its page loop runs ``ceil(4096 / 16 / 8)`` steps of 8 pages.
+The op's bytes are the pages' K and V, q and the output in bf16 (the tree adds the draft K/V
+and the bool path mask); its flops ``q k^T`` and ``p v`` over each query's keys (a tree node:
+the committed keys and its path).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from jax._src import core as jax_core
 from jax._src.pallas import core as pallas_core
 from jax._src.state import discharge as state_discharge
 
-from benchmarks.common import gdn_dims, write_json
+from benchmarks.common import gdn_dims, load_config, write_json
 from pallas_kernels import tpu
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tpu_roofline"
@@ -378,12 +387,102 @@ def decode_case(d, b):
     return s, byts
 
 
+def attention_dims(name: str) -> tuple[int, int, int]:
+    """``(query heads, KV heads, head dim)`` of a config's full-attention layers."""
+    _, cfg = load_config(name)
+    return cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+
+def _arena_operands(b: int, pages: int):
+    """A small arena, a table and each row's ``pages`` distinct handles: the kernels move the
+    pages by their own DMAs, so neither the arena's contents nor the addresses enter the
+    schedule (``_capture`` never runs the ``pallas_call``)."""
+    handles = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    return jnp.zeros((1, 1 << 16), jnp.uint32), jnp.zeros((b * pages, 2), jnp.int32), handles
+
+
+def _page_dma(b: int, context: int, page: int, hkv: int) -> tuple[int, dict]:
+    """The arena bytes the attention kernels' own DMAs move (the arena is left in HBM, outside
+    the block specs): each row's ``ceil(context / page)`` pages of K and V, ``page * Hkv``
+    128-word rows each; and the trip count of the page loop (steps of
+    :func:`pallas_kernels.tpu.attention.pages_per_step` pages)."""
+    pages = -(-context // page)
+    steps = -(-pages // tpu.attention.pages_per_step(page, pages))
+    return b * pages * 2 * page * hkv * 128 * 4, {"while": steps}
+
+
+def paged_attention_case(name, b, context, page):
+    """Decode (one query a row at position ``context - 1``) over ``context`` keys a row in
+    bf16 pages; op bytes: the pages' K and V, q and the output; flops: ``q k^T`` and ``p v``."""
+    hq, hkv, d = attention_dims(name)
+    arena, table, handles = _arena_operands(b, -(-context // page))
+    args = (
+        _zeros((b, 1, hq, d), jnp.bfloat16),
+        jnp.full((b,), context, jnp.int32),
+        jnp.full((b, 1), context - 1, jnp.int32),
+    )
+
+    def fn(q, kv_len, q_pos):
+        return tpu.paged_attention_arena(
+            q, arena=arena, table=table, page_handles=handles, layer=0, kv_offset=0,
+            page_size=page, kv_dtype=jnp.bfloat16, kv_len=kv_len, q_pos=q_pos, kv_heads=hkv,
+            scale=d**-0.5,
+        )  # fmt: skip
+
+    dma, trips = _page_dma(b, context, page, hkv)
+    s = schedule(fn, args, trips)
+    s.bytes += dma
+    byts = b * context * hkv * d * 2 * 2 + 2 * b * hq * d * 2
+    return s, byts, 4 * b * hq * d * context
+
+
+def tree_attention_case(name, b, n, context, page):
+    """The tree verify's attention: ``N`` draft nodes a row over ``context`` committed keys in
+    bf16 pages and the draft K/V on each node's path (trees as the verify's); op bytes: the
+    pages' K and V, q, the draft K and V, the path mask and the output; flops: each node's
+    ``q k^T`` and ``p v`` over its ``context + depth`` keys."""
+    hq, hkv, d = attention_dims(name)
+    par = random_parents(b, n, seed=b * 1000 + n)
+    mask = np.zeros((b, n, n), bool)
+    for r in range(b):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[r, i, j] = True
+                j = par[r, j]
+    arena, table, handles = _arena_operands(b, -(-context // page))
+    args = (
+        _zeros((b, n, hq, d), jnp.bfloat16),
+        jnp.full((b,), context, jnp.int32),
+        _zeros((b, n, hkv, d), jnp.bfloat16),
+        _zeros((b, n, hkv, d), jnp.bfloat16),
+        jnp.asarray(mask),
+    )
+
+    def fn(q, kv_len, dk, dv, dmask):
+        return tpu.tree_attention_arena(
+            q, arena, table, handles, kv_len, dk, dv, dmask, layer=0, kv_offset=0,
+            page_size=page, kv_dtype=jnp.bfloat16, scale=d**-0.5,
+        )  # fmt: skip
+
+    dma, trips = _page_dma(b, context, page, hkv)
+    s = schedule(fn, args, trips)
+    s.bytes += dma
+    byts = b * context * hkv * d * 2 * 2 + 2 * b * n * (hq + hkv) * d * 2 + b * n * n
+    flops = 4 * hq * d * int(b * n * context + mask.sum())
+    return s, byts, flops
+
+
 # ----------------------------------------------------------------------------------- the table
 
 VERIFY_CASES = ((1, 64), (16, 8), (16, 32), (16, 64), (16, 128), (64, 64))
 COMMIT_CASES = ((16, 64), (64, 64))
 CHUNK_CASES = ((1, 4096, 64), (1, 4096, 128), (8, 4096, 64))
 DECODE_CASES = (1, 16, 64)
+ATTENTION_CONFIG = "qwen3_5_35b_a3b"
+PAGE, CONTEXT = 16, 4096  # the engine's page size; committed keys a row
+PAGED_ATTENTION_CASES = (1, 16, 64)
+TREE_ATTENTION_CASES = ((16, 64),)
 
 
 def _row(chip: Chip, op: str, config: str, shape: str, s: Schedule, byts: int, flops: int):
@@ -439,6 +538,16 @@ def rows(chips: list[Chip]) -> list[dict]:
             for b in DECODE_CASES:
                 s, byts = _once(cache, decode_case, d, b)
                 out.append(_row(chip, "decode", name, f"B {b}", s, byts, 0))
+            if name != ATTENTION_CONFIG:
+                continue
+            for b in PAGED_ATTENTION_CASES:
+                s, byts, flops = _once(cache, paged_attention_case, name, b, CONTEXT, PAGE)
+                shape = f"B {b}, L {CONTEXT}"
+                out.append(_row(chip, "paged_attention", name, shape, s, byts, flops))
+            for b, n in TREE_ATTENTION_CASES:
+                s, byts, flops = _once(cache, tree_attention_case, name, b, n, CONTEXT, PAGE)
+                shape = f"B {b}, N {n}, L {CONTEXT}"
+                out.append(_row(chip, "tree_attention", name, shape, s, byts, flops))
     return out
 
 

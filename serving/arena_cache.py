@@ -362,9 +362,11 @@ class ArenaCache:
     def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array) -> SequenceRule | None:
         """The prefill rule of GDN layer ``gi`` (``T > 1`` tokens per row, the first
         ``num_tokens[b]`` of row ``b`` live) reading its initial recurrent state and writing the
-        final one in place (:func:`pallas_kernels.decode.arena.recurrent_prefill`, the arena
-        aliased): ``rule(q, k, v, g, beta, *, use_qk_l2norm) -> (o [B, T, Hv, V], ArenaCache)``,
-        the returned cache holding the updated arena; ``None`` unless the prefill kernel is
+        final one in place, the arena aliased: by
+        :func:`pallas_kernels.decode.arena.recurrent_prefill`, or on the TPU kernels
+        (``kernels.tpu``) by the chunked :func:`pallas_kernels.tpu.chunk_prefill_arena`.
+        ``rule(q, k, v, g, beta, *, use_qk_l2norm) -> (o [B, T, Hv, V], ArenaCache)``, the
+        returned cache holding the updated arena; ``None`` unless the prefill kernel is
         selected (then :meth:`gdn_state` / :meth:`with_gdn_state`).
 
         As the XLA path: rows at length 0 start from a zero state and are written (also with
@@ -373,10 +375,13 @@ class ArenaCache:
         kn = self.kernels
         if not kn.prefill:
             return None
-        from pallas_kernels.decode.arena import recurrent_prefill
+        if kn.tpu:
+            from pallas_kernels.tpu import chunk_prefill_arena as kernel
+        else:
+            from pallas_kernels.decode.arena import recurrent_prefill as kernel
 
         def rule(q, k, v, g, beta, *, use_qk_l2norm: bool):
-            o, buf = recurrent_prefill(
+            o, buf = kernel(
                 q,
                 k,
                 v,

@@ -286,8 +286,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--num-scheduler-steps",
         type=int,
         default=1,
-        help="greedy plain decoding: decode steps per engine step, dispatched back to back with "
-        "the tokens fed on the device (default: %(default)s)",
+        help="steps per engine step, dispatched back to back with the tokens fed on the "
+        "device: greedy plain decoding, or speculation drafted on the device (draft model, "
+        "MTP) (default: %(default)s)",
     )
     p.add_argument(
         "--dtype",
@@ -451,8 +452,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--num-scheduler-steps",
         type=int,
         default=1,
-        help="LLM(num_scheduler_steps=...): greedy plain decoding's decode steps per engine "
-        "step, back to back (the no-speculation row; default: %(default)s)",
+        help="LLM(num_scheduler_steps=...) of every engine: greedy decode steps, or "
+        "speculative steps drafted on the device, per engine step, back to back (default: "
+        "%(default)s)",
     )
     _spec_args(b, bench=True)
     b.set_defaults(func=_bench)

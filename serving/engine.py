@@ -160,18 +160,23 @@ class Engine:
     # -------------------------------------------------------------------------------- steps
 
     def _steps_ahead(self) -> int:
-        """Decode steps this engine step runs back to back (:meth:`_decode_ahead`): up to
-        ``num_scheduler_steps`` when every running request is a greedy plain decode, bounded
-        by the fewest tokens a request may still emit and by the room left in its page table;
-        else 1."""
+        """Steps this engine step runs back to back, up to ``num_scheduler_steps`` when no
+        running request is prefilling: greedy plain decode steps (:meth:`_decode_ahead`; every
+        request greedy) or speculative steps drafted on the device (:meth:`_speculate_ahead`;
+        any sampling). Bounded by the fewest tokens a request may still emit and by the room
+        left in its page table (``depth + 1`` tokens a speculative step); else 1."""
         k, s = self.num_scheduler_steps, self.sched
-        if k < 2 or self.spec is not None or not s.running:
+        if k < 2 or not s.running:
             return 1
+        spec = self.spec is not None
+        if spec and (self.device_spec is None or not self.device_spec.chains):
+            return 1
+        per_step = 1 + self.depth if spec else 1
         cap = s.pages_per_seq * s.page_size
         for r in s.running:
-            if r.prefilling or not r.params.greedy:
+            if r.prefilling or (not spec and not r.params.greedy):
                 return 1
-            k = min(k, r.params.max_tokens - len(r.output), cap - r.computed)
+            k = min(k, r.params.max_tokens - len(r.output), (cap - r.computed) // per_step)
         return max(k, 1)
 
     def step(self) -> None:
@@ -190,14 +195,18 @@ class Engine:
                 todo = len(req.prefill_tokens) - req.computed
                 s.reserve(req, req.computed + max(1, min(todo, self.chunk)))
                 prefills.append(req)
+            elif self.spec is not None:
+                s.reserve(req, req.computed + ahead * (1 + self.depth))
             else:
-                s.reserve(req, req.computed + max(ahead, 1 + self.depth))
+                s.reserve(req, req.computed + ahead)
         prefills = [r for r in prefills if r in s.running]
         decodes = [r for r in s.running if not r.prefilling]
         if prefills:
             self._prefill(prefills)
         if decodes:
-            if self.spec is not None:
+            if self.spec is not None and ahead > 1:
+                self._speculate_ahead(decodes, ahead)
+            elif self.spec is not None:
                 self._speculate(decodes)
             elif ahead > 1:
                 self._decode_ahead(decodes, ahead)
@@ -301,6 +310,39 @@ class Engine:
                 r.hidden = hidden[i]
             r.accept_lengths.append(m)
             self._emit(r, [int(t) for t in out[i, :m]], now)
+
+    def _speculate_ahead(self, reqs: list[Request], steps: int) -> None:
+        """``steps`` speculative steps back to back, each fed the previous one's tokens on the
+        device (:meth:`serving.spec_device.DeviceSpeculator.ahead`); the tokens come to the
+        host once, at the end. A request that stops early keeps only its tokens up to the
+        stop (the later steps wrote into its reserved pages, released when it finishes)."""
+        rows, _ = self._rows(reqs)
+        b = rows[0].shape[0]
+        root = np.zeros(b, np.int32)
+        for i, r in enumerate(reqs):
+            root[i] = r.output[-1]
+        seeds, temp, top_k, top_p = self._sampling(reqs, b)
+        hidden = None
+        if isinstance(self.drafter, MTPDrafter):
+            h = reqs[0].hidden
+            hidden = np.zeros((b, h.shape[-1]), h.dtype)
+            for i, r in enumerate(reqs):
+                hidden[i] = r.hidden
+        out, counts, hidden = self.device_spec.ahead(
+            *rows, root, self._scratch(reqs, b), seeds, temp, top_k, top_p,
+            steps=steps, hidden=hidden,
+        )  # fmt: skip
+        now = time.perf_counter()
+        for i, r in enumerate(reqs):
+            for j in range(steps):
+                if r.finished:
+                    break
+                m = int(counts[j, i])
+                r.computed += m
+                r.accept_lengths.append(m)
+                self._emit(r, [int(t) for t in out[j, i, :m]], now)
+            if hidden is not None and not r.finished:
+                r.hidden = hidden[i]
 
     def _speculate(self, reqs: list[Request]) -> None:
         if self.device_spec is not None:

@@ -13,7 +13,8 @@ layers (:func:`pallas_kernels.decode.conv.conv_step` and
 (:func:`pallas_kernels.decode.arena.recurrent_prefill`, the arena aliased; ``kernels="auto"``
 keeps XLA's chunked prefill). A geometry the kernels do not take (the misfit checks below)
 stays on XLA windows, or raises with ``kernels="pallas"``. ``kernels="pallas_tpu"`` takes the
-Mosaic TPU versions (:mod:`pallas_kernels.tpu`) of the GDN verify, commit and decode step and
+Mosaic TPU versions (:mod:`pallas_kernels.tpu`) of the GDN verify, commit, decode step and
+prefill (the chunked :func:`pallas_kernels.tpu.chunk_prefill_arena`, the arena aliased) and
 of the attention: decode's and prefill's (``paged_attention_arena``) and the tree verify's
 (``tree_attention_arena``).
 
@@ -47,11 +48,12 @@ class ArenaKernels:
     - ``decode``: the decode step's GDN layers by :mod:`pallas_kernels.decode.arena` (the
       recurrent states read and written in place) instead of XLA state windows;
     - ``prefill``: prefill's GDN layers (``T > 1`` tokens per row) by
-      :mod:`pallas_kernels.decode.arena` (the initial states read, the final ones written, in
-      place) instead of XLA state windows and the chunked rule;
+      :mod:`pallas_kernels.decode.arena`, or with ``tpu`` the chunked
+      :func:`pallas_kernels.tpu.chunk_prefill_arena` (the initial states read, the final ones
+      written, in place) instead of XLA state windows and the chunked rule;
     - ``tpu``: the Mosaic TPU versions of the GDN kernels (:mod:`pallas_kernels.tpu`:
-      ``tree_verify_arena``, ``tree_commit_arena``, ``recurrent_step_arena``) instead of the
-      GPU ones; prefill's GDN layers stay on XLA;
+      ``tree_verify_arena``, ``tree_commit_arena``, ``recurrent_step_arena`` and, with
+      ``prefill``, the chunked ``chunk_prefill_arena``) instead of the GPU ones;
     - ``tpu_attention``: every attention layer by the TPU kernels (the KV pages read in
       place): decode's and prefill's by :func:`pallas_kernels.tpu.paged_attention_arena`, the
       tree verify's (committed pages, then the draft K/V along each node's path) by
@@ -190,7 +192,7 @@ def select_kernels(
     ``"auto"``: the kernels on a GPU backend where the geometry fits them (per part: GDN,
     attention), XLA elsewhere; ``"pallas"``: the kernels everywhere (interpret mode off GPU),
     a ``ValueError`` naming ``kernels`` when the geometry does not fit; ``"pallas_tpu"``: the
-    TPU GDN kernels (verify, commit, decode step; TPU interpret mode off a TPU), a
+    TPU GDN kernels (verify, commit, decode step, prefill; TPU interpret mode off a TPU), a
     ``ValueError`` when the geometry does not fit them, and the TPU attention kernels (paged
     for decode and prefill, tree for the tree verify) where the head rows fit them (else XLA).
     Returns the choice and the reasons for every part left on XLA."""
@@ -211,6 +213,7 @@ def select_kernels(
         choice = ArenaKernels(
             gdn=True,
             decode=True,
+            prefill=True,
             interpret=backend != "tpu",
             max_nodes=TPU_MAX_NODES,
             strict=True,

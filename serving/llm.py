@@ -207,11 +207,14 @@ class LLM:
         default); a bound runs only steps of at most this many tokens (rows x tokens per row)
         as graphs and launches larger ones kernel by kernel (:mod:`serving.launch`). ``0``: no
         graphs.
-      num_scheduler_steps: plain greedy decoding runs up to this many decode steps per engine
-        step back to back, each fed the previous one's argmax on the device, so the host's
-        work for a step overlaps the device's for the one before (vLLM's name); the tokens
-        reach the host, and the scheduler admits requests, once per engine step. Sampling,
-        speculation and steps with a prefilling request take one step. Default 1.
+      num_scheduler_steps: up to this many steps per engine step back to back, each fed the
+        previous one's tokens on the device, so the host's work for a step overlaps the
+        device's for the one before (vLLM's name): greedy plain decode steps (the argmax fed
+        back), or speculative steps drafted on the device (draft model, MTP; greedy or
+        sampled: each row's root, length and random-stream position advanced by its emitted
+        tokens). The tokens reach the host, and the scheduler admits requests, once per engine
+        step. Sampling without speculation, n-gram drafting (host trees) and steps with a
+        prefilling request take one step. Default 1.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
@@ -226,9 +229,10 @@ class LLM:
         commit, the GDN decode step and paged attention; XLA on other backends),
         ``"pallas"`` (the same kernels everywhere, plus prefill's GDN states in place;
         interpret mode off GPU), ``"pallas_tpu"`` (the Mosaic TPU GDN kernels for tree
-        verify, commit and the decode step, TPU interpret mode off a TPU; the arena's units
-        placed on 128-word lane rows; needs ``linear_value_head_dim`` 128 and one device;
-        attention on XLA) or ``"xla"``;
+        verify, commit, the decode step and prefill, TPU interpret mode off a TPU; the arena's
+        units placed on 128-word lane rows; needs ``linear_value_head_dim`` 128 and one device;
+        the attention layers on the TPU paged and tree attention kernels where a KV head row
+        is 128 words, else XLA) or ``"xla"``;
         see :class:`serving.runner.ArenaRunner`. The model's own kernel-routed ops (the chunked
         prefill, tree verify and commit, the MoE's routed experts) run with ``impl="xla"``
         under ``"xla"``, ``impl="pallas_tpu"`` under ``"pallas_tpu"`` and ``impl="auto"``

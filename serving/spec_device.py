@@ -543,6 +543,37 @@ def _program(key: ProgramKey):
     )
 
 
+@functools.cache
+def _chained_program(key: ProgramKey):
+    """The step of :func:`_program` fed by the step before it on the device: ``(tflat, dflat,
+    buf, table, ints, floats, hidden, prev)`` with ``prev`` the previous step's packed output
+    (emitted tokens, then their count) and ``ints`` its packed integer inputs. Each live row's
+    root becomes its last emitted token, its length and its random stream's position advance
+    by its count; returns the step's outputs and the advanced ``ints`` (for the next one)."""
+    inner = _program(key)
+    n, s = key.nodes, key.nodes if key.snapshot else 1
+
+    def chained(tflat, dflat, buf, table, ints, floats, hidden, prev):
+        b = prev.shape[0]
+        mp = ints.shape[1] - (1 + 1 + 1 + n + n + s + 3 + 1)  # page-table width
+        count = prev[:, -1]
+        last = jnp.take_along_axis(prev[:, :-1], jnp.maximum(count - 1, 0)[:, None], axis=1)
+        live = ints[:b, 0] >= 0
+        step = jnp.where(live, count, 0)
+        rows = ints[:b]
+        rows = rows.at[:, 1 + mp].add(step)  # lengths
+        rows = rows.at[:, 2 + mp].set(jnp.where(live, last[:, 0], rows[:, 2 + mp]))  # roots
+        rows = rows.at[:, 3 + mp + 2 * n + s + 2].add(step)  # seeds' position
+        ints = jnp.concatenate([rows, ints[b:]], axis=0)
+        packed, hidden_next, buf, table = inner.fn(tflat, dflat, buf, table, ints, floats, hidden)
+        return packed, hidden_next, buf, table, ints
+
+    def tree_tokens(args):
+        return (args[4].shape[0] - key.table_rows) * key.nodes
+
+    return launch.ByTokens(chained, key.graph_tokens, 4, count=tree_tokens, donate_argnums=(2, 3))
+
+
 def pack_inputs(handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p):
     """A step's per-row inputs as two host arrays, so a step moves two small buffers to the
     device instead of eleven (each argument of a jitted call is a host-to-device copy of its
@@ -602,8 +633,16 @@ class DeviceSpeculator:
 
     def compiled(self) -> int:
         return sum(
-            _program(dataclasses.replace(self.key, sampling=s))._cache_size() for s in (False, True)
+            make(dataclasses.replace(self.key, sampling=s))._cache_size()
+            for s in (False, True)
+            for make in (_program, _chained_program)
         )
+
+    @property
+    def chains(self) -> bool:
+        """Whether steps can follow each other on the device (:meth:`ahead`): the drafter
+        drafts on the device (not the host's n-gram trees)."""
+        return self.drafter != "ngram"
 
     def __call__(
         self,
@@ -643,3 +682,57 @@ class DeviceSpeculator:
         r.adopt_table(table)
         packed, hid = jax.device_get((packed, hid))
         return packed[:, :-1], packed[:, -1], hid
+
+    def ahead(
+        self,
+        handles,
+        pages,
+        lengths,
+        root,
+        scratch,
+        seeds,
+        temp,
+        top_k,
+        top_p,
+        *,
+        steps,
+        hidden=None,
+    ):
+        """``steps`` speculative steps dispatched back to back, each fed the previous one's
+        emitted tokens, lengths and (MTP) hidden states on the device
+        (:func:`_chained_program`), so the host's work for a step overlaps the device's for
+        the one before; one fetch at the end. The rows' pages must hold ``steps * (depth +
+        1)`` more tokens. Returns host arrays ``(emitted int32 [steps, B, depth + 1], counts
+        int32 [steps, B], hidden [B, H]`` after the last step (MTP; else None)). A row's
+        outputs after its request stops are computed and not used."""
+        if not self.chains:
+            raise ValueError(f"steps ahead need a drafter on the device, got {self.drafter!r}")
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        r = self.runner
+        b = root.shape[0]
+        tokens = np.zeros((b, self.num_nodes), np.int32)
+        if self.drafter != "mtp":
+            hidden = None
+        self.calls += steps
+        ints, floats = pack_inputs(
+            handles, pages, lengths, root, tokens, tokens, scratch, seeds, temp, top_k, top_p
+        )
+        table, delta = r.table_delta(TABLE_DELTA_ROWS)
+        sampling = bool(np.any(temp > 0))
+        first = self._programs[sampling]
+        chained = _chained_program(dataclasses.replace(self.key, sampling=sampling))
+        ints = with_table_delta(ints, delta)  # re-applied by later steps: the same rows
+        packed, hidden, r._buf, table = first(
+            r._state, self._dstate, r._buf, table, ints, floats, hidden
+        )
+        outs = [packed]
+        for _ in range(steps - 1):
+            packed, hidden, r._buf, table, ints = chained(
+                r._state, self._dstate, r._buf, table, ints, floats, hidden, packed
+            )
+            outs.append(packed)
+        r.adopt_table(table)
+        outs, hidden = jax.device_get((outs, hidden))
+        outs = np.stack(outs)
+        return outs[:, :, :-1], outs[:, :, -1], hidden

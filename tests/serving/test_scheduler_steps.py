@@ -1,7 +1,8 @@
-"""Multi-step decoding (``LLM(num_scheduler_steps=K)``, :meth:`serving.engine.Engine._decode_ahead`):
-up to ``K`` greedy decode steps per engine step, each fed the previous one's argmax on the
-device, give the same tokens as one step at a time, stop where one-step decoding stops, and
-fall back to single steps for sampling and speculation."""
+"""Multi-step decoding (``LLM(num_scheduler_steps=K)``, :meth:`serving.engine.Engine._decode_ahead`
+and ``_speculate_ahead``): up to ``K`` greedy decode steps, or speculative steps drafted on the
+device, per engine step, each fed the previous one's tokens on the device, give the same
+tokens as one step at a time and stop where one-step decoding stops; sampling without
+speculation and n-gram (host) drafts take single steps."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def test_steps_ahead_give_the_same_tokens(one_step):
     assert calls and max(calls) == 4 and all(1 < c <= 4 for c in calls)
 
 
-def test_sampling_and_speculation_take_single_steps():
-    """A sampled request, and a speculative engine, never run steps ahead."""
+def test_sampling_and_host_drafts_take_single_steps():
+    """A sampled request without speculation, and speculation on the host's n-gram trees,
+    never run steps ahead."""
     llm = LLM(ASSETS / "target", **TINY, num_scheduler_steps=4)
     _, calls = _run(llm, SamplingParams(max_tokens=6, temperature=0.8, seed=1))
     assert calls == []
@@ -67,3 +69,45 @@ def test_sampling_and_speculation_take_single_steps():
 def test_bad_scheduler_steps_are_refused(bad):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         LLM(ASSETS / "target", **TINY, num_scheduler_steps=bad)
+
+
+def _spec_run(llm, params):
+    calls = []
+    inner = llm.engine._speculate_ahead
+
+    def spy(reqs, steps):
+        calls.append(steps)
+        return inner(reqs, steps)
+
+    llm.engine._speculate_ahead = spy
+    out = llm.generate(PROMPTS, params)
+    return [o.token_ids for o in out], calls
+
+
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_speculative_steps_ahead_give_the_same_tokens(method):
+    """Speculative steps chained on the device (``num_scheduler_steps=K`` with a drafter on
+    the device): the same tokens as one step at a time, greedy with a stop token met mid-way
+    and uneven ``max_tokens``, and sampled (each row's random stream advanced on the device by
+    its emitted tokens), with chained runs of more than one step actually taken."""
+    draft = ASSETS / "draft" if method == "draft_model" else None
+    spec = SpecConfig(method=method, draft_model=draft, tree=(2, 1))
+    one = LLM(ASSETS / "target", **TINY, speculative=spec)
+    ref = [o.token_ids for o in one.generate(PROMPTS, SamplingParams(max_tokens=13))]
+    stop = ref[0][6]
+    greedy = [
+        SamplingParams(max_tokens=13, stop_token_ids=[stop]),
+        SamplingParams(max_tokens=13),
+        SamplingParams(max_tokens=7),
+        SamplingParams(max_tokens=10),
+    ]
+    sampled = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=s) for s in range(4)]
+    cases = [greedy] + ([sampled] if method == "draft_model" else [])
+    llm = LLM(ASSETS / "target", **TINY, speculative=spec, num_scheduler_steps=3)
+    wants = []
+    for params in cases:
+        wants.append([o.token_ids for o in one.generate(PROMPTS, params)])
+        got, calls = _spec_run(llm, params)
+        assert got == wants[-1]
+        assert calls and all(1 < c <= 3 for c in calls)
+    assert wants[-1] != ref or method == "mtp"  # the sampled case drew its own tokens

@@ -1,7 +1,8 @@
 """The engine on the TPU kernels (``LLM(kernels="pallas_tpu")``, TPU interpret mode on CPU): the
-arena's units on 128-word lane rows, tree verify, commit, the decode step, decode's and
-prefill's paged attention and the tree verify's attention by the Mosaic TPU kernels reading the
-arena in place, the same greedy tokens as the XLA path."""
+arena's units on 128-word lane rows, tree verify, commit, the decode step, prefill's GDN layers
+(the chunked arena prefill), decode's and prefill's paged attention and the tree verify's
+attention by the Mosaic TPU kernels reading the arena in place, the same greedy tokens as the
+XLA path."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def test_pallas_tpu_misfit_names_the_dim(target):
 @pytest.mark.parametrize(
     "spec, traced",
     [
-        (None, {"recurrent_step_arena", "paged_attention_arena"}),
+        (None, {"chunk_prefill_arena", "recurrent_step_arena", "paged_attention_arena"}),
         (
             SpecConfig(method="ngram", tree=(2, 2)),
             {
+                "chunk_prefill_arena",
                 "tree_verify_arena",
                 "tree_commit_arena",
                 "paged_attention_arena",
@@ -64,7 +66,8 @@ def test_pallas_tpu_misfit_names_the_dim(target):
 def test_pallas_tpu_engine_matches_xla(model, spec, traced, monkeypatch):
     """Plain decoding (the decode step's kernel) and tree WY speculation (verify and commit)
     give the XLA path's greedy tokens, and the engine's programs took the TPU kernels (the
-    paged attention in prefill and decode, the tree attention in the tree verify)."""
+    chunked arena prefill for prefill's GDN layers, the paged attention in prefill and decode,
+    the tree attention in the tree verify)."""
     calls = set()
     for name in traced:
         fn = getattr(pallas_tpu, name)

@@ -1,10 +1,11 @@
 """The TPU attention kernels over the arena in TPU interpret mode: the paged attention
-(:func:`pallas_kernels.tpu.paged_attention_arena`; decode and prefill rows, a padding row) and
-the tree attention (:func:`pallas_kernels.tpu.tree_attention_arena`; random chains, stars,
-forests and padded trees, ``kv_len`` 0 and off page boundaries) against float64 attention over
-the same pages and the XLA path; f32 and bf16 caches, grouped heads; recycled pages full of
-random bits (NaN patterns included) past ``kv_len``, an unmapped page below it; the input
-checks and the Mosaic lowering at Qwen3.5's geometry."""
+(:func:`pallas_kernels.tpu.paged_attention_arena`; decode and prefill rows, a padding row,
+rows over several steps of the page loop) and the tree attention
+(:func:`pallas_kernels.tpu.tree_attention_arena`; random chains, stars, forests and padded
+trees, ``kv_len`` 0 and off page boundaries) against float64 attention over the same pages and
+the XLA path; f32 and bf16 caches, grouped heads; recycled pages full of random bits (NaN
+patterns included) past ``kv_len``, an unmapped page below it; the input checks and the Mosaic
+lowering at Qwen3.5's geometry."""
 
 from __future__ import annotations
 
@@ -121,6 +122,27 @@ def test_paged_attention_arena_matches_float64(dtype, t, lens, hq, hkv, s, hole)
     tol = 1e-5 if dtype == np.float32 else 1e-2  # bf16: the output rounded to bf16
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
     assert np.all(np.isfinite(np.asarray(got, np.float64)))
+
+
+def test_paged_attention_arena_many_steps():
+    """Rows longer than one step of the page loop (8 pages of 16 tokens a step): the next
+    step's pages load while this one is computed, a step ends mid-table, an unmapped page
+    below ``kv_len``, two KV heads read strided from the same pages."""
+    rng = np.random.default_rng(7)
+    lens, t, hq, hkv, s = [300, 45], 2, 4, 2, 16
+    q_pos = np.array([[n - t + i for i in range(t)] for n in lens], np.int32)
+    arena, table, handles, k64, v64, kv_offset = _scene(
+        rng, np.float32, b=2, hkv=hkv, s=s, layers=2, layer=1, lens=lens, hole=True
+    )
+    q = rng.standard_normal((2, t, hq, LANES)).astype(np.float32)
+    got = paged_attention_arena(
+        jnp.asarray(q), arena=jnp.asarray(arena), table=jnp.asarray(table),
+        page_handles=jnp.asarray(handles), layer=1, kv_offset=kv_offset, page_size=s,
+        kv_dtype=jnp.float32, kv_len=jnp.asarray(lens, jnp.int32), q_pos=jnp.asarray(q_pos),
+        kv_heads=hkv, scale=LANES**-0.5, interpret=True,
+    )  # fmt: skip
+    want = _reference(q, k64, v64, lens, q_pos, LANES**-0.5)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_arena_refuses_misfits():
