@@ -628,6 +628,9 @@ class DeviceSpeculator:
         self._programs = {
             s: _program(dataclasses.replace(self.key, sampling=s)) for s in (False, True)
         }
+        self._chained = {  # steps fed by the step before on the device (ahead)
+            s: _chained_program(dataclasses.replace(self.key, sampling=s)) for s in (False, True)
+        }
         self.num_nodes = spec.num_nodes
         self.calls = 0
 
@@ -663,25 +666,13 @@ class DeviceSpeculator:
         """One step: returns host arrays ``(emitted int32 [B, depth + 1], counts int32 [B],
         hidden [B, H]`` (the MTP drafter's next hidden states; None for the others)), fetched
         from the device in one transfer (the arena updated in place). The inputs go to the
-        device packed in two arrays (:func:`pack_inputs`)."""
-        r = self.runner
-        b = root.shape[0]
-        if tokens is None:
-            tokens = parents = np.zeros((b, self.num_nodes), np.int32)
-        if self.drafter != "mtp":
-            hidden = None  # only the MTP drafter reads it (None: nothing moves to the device)
-        self.calls += 1
-        ints, floats = pack_inputs(
-            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p
-        )
-        table, delta = r.table_delta(TABLE_DELTA_ROWS)
-        program = self._programs[bool(np.any(temp > 0))]
-        packed, hid, r._buf, table = program(
-            r._state, self._dstate, r._buf, table, with_table_delta(ints, delta), floats, hidden
-        )
-        r.adopt_table(table)
-        packed, hid = jax.device_get((packed, hid))
-        return packed[:, :-1], packed[:, -1], hid
+        device packed in two arrays (:func:`pack_inputs`); ``tokens`` and ``parents``: the
+        host's trees (n-gram drafting)."""
+        out, counts, hid = self.ahead(
+            handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p,
+            steps=1, hidden=hidden, tokens=tokens, parents=parents,
+        )  # fmt: skip
+        return out[0], counts[0], hid
 
     def ahead(
         self,
@@ -697,6 +688,8 @@ class DeviceSpeculator:
         *,
         steps,
         hidden=None,
+        tokens=None,
+        parents=None,
     ):
         """``steps`` speculative steps dispatched back to back, each fed the previous one's
         emitted tokens, lengths and (MTP) hidden states on the device
@@ -705,23 +698,23 @@ class DeviceSpeculator:
         1)`` more tokens. Returns host arrays ``(emitted int32 [steps, B, depth + 1], counts
         int32 [steps, B], hidden [B, H]`` after the last step (MTP; else None)). A row's
         outputs after its request stops are computed and not used."""
-        if not self.chains:
-            raise ValueError(f"steps ahead need a drafter on the device, got {self.drafter!r}")
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
+        if steps > 1 and not self.chains:
+            raise ValueError(f"steps ahead need a drafter on the device, got {self.drafter!r}")
         r = self.runner
         b = root.shape[0]
-        tokens = np.zeros((b, self.num_nodes), np.int32)
+        if tokens is None:
+            tokens = parents = np.zeros((b, self.num_nodes), np.int32)
         if self.drafter != "mtp":
-            hidden = None
+            hidden = None  # only the MTP drafter reads it (None: nothing moves to the device)
         self.calls += steps
         ints, floats = pack_inputs(
-            handles, pages, lengths, root, tokens, tokens, scratch, seeds, temp, top_k, top_p
+            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p
         )
         table, delta = r.table_delta(TABLE_DELTA_ROWS)
         sampling = bool(np.any(temp > 0))
-        first = self._programs[sampling]
-        chained = _chained_program(dataclasses.replace(self.key, sampling=sampling))
+        first, chained = self._programs[sampling], self._chained[sampling]
         ints = with_table_delta(ints, delta)  # re-applied by later steps: the same rows
         packed, hidden, r._buf, table = first(
             r._state, self._dstate, r._buf, table, ints, floats, hidden

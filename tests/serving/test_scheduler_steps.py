@@ -15,15 +15,16 @@ TINY = dict(dtype="float32", max_num_seqs=4, batch_buckets=(2, 4), max_model_len
 PROMPTS = [[5, 6, 7, 8, 9], [9, 10, 11], [40, 41, 42, 43, 44, 45, 46], [3]]
 
 
-def _run(llm, params):
+def _run(llm, params, ahead="_decode_ahead"):
+    """Tokens of ``PROMPTS`` and the step counts of the engine's ``ahead`` method's calls."""
     calls = []
-    inner = llm.engine._decode_ahead
+    inner = getattr(llm.engine, ahead)
 
     def spy(reqs, steps):
         calls.append(steps)
         return inner(reqs, steps)
 
-    llm.engine._decode_ahead = spy
+    setattr(llm.engine, ahead, spy)
     out = llm.generate(PROMPTS, params)
     return [o.token_ids for o in out], calls
 
@@ -61,7 +62,7 @@ def test_sampling_and_host_drafts_take_single_steps():
     assert calls == []
     spec = SpecConfig(method="ngram", tree=(2, 1))
     llm = LLM(ASSETS / "target", **TINY, speculative=spec, num_scheduler_steps=4)
-    _, calls = _run(llm, SamplingParams(max_tokens=6))
+    _, calls = _run(llm, SamplingParams(max_tokens=6), ahead="_speculate_ahead")
     assert calls == []
 
 
@@ -69,19 +70,6 @@ def test_sampling_and_host_drafts_take_single_steps():
 def test_bad_scheduler_steps_are_refused(bad):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         LLM(ASSETS / "target", **TINY, num_scheduler_steps=bad)
-
-
-def _spec_run(llm, params):
-    calls = []
-    inner = llm.engine._speculate_ahead
-
-    def spy(reqs, steps):
-        calls.append(steps)
-        return inner(reqs, steps)
-
-    llm.engine._speculate_ahead = spy
-    out = llm.generate(PROMPTS, params)
-    return [o.token_ids for o in out], calls
 
 
 @pytest.mark.parametrize("method", ["draft_model", "mtp"])
@@ -107,7 +95,7 @@ def test_speculative_steps_ahead_give_the_same_tokens(method):
     wants = []
     for params in cases:
         wants.append([o.token_ids for o in one.generate(PROMPTS, params)])
-        got, calls = _spec_run(llm, params)
+        got, calls = _run(llm, params, ahead="_speculate_ahead")
         assert got == wants[-1]
         assert calls and all(1 < c <= 3 for c in calls)
     assert wants[-1] != ref or method == "mtp"  # the sampled case drew its own tokens
