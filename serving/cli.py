@@ -287,7 +287,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="steps per engine step, dispatched back to back with the tokens fed on the "
-        "device: greedy plain decoding, or speculation drafted on the device (draft model, "
+        "device: plain decoding, or speculation drafted on the device (draft model, "
         "MTP) (default: %(default)s)",
     )
     p.add_argument(
@@ -452,7 +452,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--num-scheduler-steps",
         type=int,
         default=1,
-        help="LLM(num_scheduler_steps=...) of every engine: greedy decode steps, or "
+        help="LLM(num_scheduler_steps=...) of every engine: plain decode steps, or "
         "speculative steps drafted on the device, per engine step, back to back (default: "
         "%(default)s)",
     )

@@ -161,10 +161,10 @@ class Engine:
 
     def _steps_ahead(self) -> int:
         """Steps this engine step runs back to back, up to ``num_scheduler_steps`` when no
-        running request is prefilling: greedy plain decode steps (:meth:`_decode_ahead`; every
-        request greedy) or speculative steps drafted on the device (:meth:`_speculate_ahead`;
-        any sampling). Bounded by the fewest tokens a request may still emit and by the room
-        left in its page table (``depth + 1`` tokens a speculative step); else 1."""
+        running request is prefilling: plain decode steps (:meth:`_decode_ahead`) or
+        speculative steps drafted on the device (:meth:`_speculate_ahead`), greedy or
+        sampled. Bounded by the fewest tokens a request may still emit and by the room left in
+        its page table (``depth + 1`` tokens a speculative step); else 1."""
         k, s = self.num_scheduler_steps, self.sched
         if k < 2 or not s.running:
             return 1
@@ -174,7 +174,7 @@ class Engine:
         per_step = 1 + self.depth if spec else 1
         cap = s.pages_per_seq * s.page_size
         for r in s.running:
-            if r.prefilling or (not spec and not r.params.greedy):
+            if r.prefilling:
                 return 1
             k = min(k, r.params.max_tokens - len(r.output), (cap - r.computed) // per_step)
         return max(k, 1)
@@ -252,19 +252,28 @@ class Engine:
             self._emit(r, [int(nxt[i])], now)
 
     def _decode_ahead(self, reqs: list[Request], steps: int) -> None:
-        """``steps`` greedy decode steps dispatched back to back, each fed the previous step's
-        argmax on the device, so the host's work for a step overlaps the device's for the one
-        before; the tokens come to the host once, at the end. A request that stops early
-        (a stop token, or ``max_tokens``) keeps only its tokens up to the stop; the steps
-        after it wrote into its reserved pages, which it releases when it finishes."""
+        """``steps`` decode steps dispatched back to back, each fed the previous step's
+        tokens on the device (the argmax, or for a batch that samples a draw of
+        :func:`serving.spec_device.sample_rows` keyed by each row's output position, the key
+        one step at a time would use), so the host's work for a step overlaps the device's for
+        the one before; the tokens come to the host once, at the end. A request that stops
+        early (a stop token, or ``max_tokens``) keeps only its tokens up to the stop; the
+        steps after it wrote into its reserved pages, which it releases when it finishes."""
         (ids, table, lengths), _ = self._rows(reqs)
-        tokens = np.zeros(ids.shape[0], np.int32)
+        b = ids.shape[0]
+        tokens = np.zeros(b, np.int32)
         for i, r in enumerate(reqs):
             tokens[i] = r.output[-1]
-        live = (np.arange(ids.shape[0]) < len(reqs)).astype(np.int32)  # padding rows stay at 0
+        live = (np.arange(b) < len(reqs)).astype(np.int32)  # padding rows stay at 0
+        sampling = None if all(r.params.greedy for r in reqs) else self._sampling(reqs, b)
         out = []
         for j in range(steps):
-            _, tokens, _ = self.runner.decode(ids, table, lengths + j * live, tokens)
+            logits, tokens, _ = self.runner.decode(ids, table, lengths + j * live, tokens)
+            if sampling is not None:
+                seeds, temp, top_k, top_p = sampling
+                seeds = seeds.copy()
+                seeds[:, 2] += np.uint32(j) * live.astype(np.uint32)  # the output position
+                tokens = sample_rows(logits, seeds, temp, top_k, top_p)
             out.append(tokens)
         out = np.stack([np.asarray(t) for t in out])  # [steps, B]
         now = time.perf_counter()

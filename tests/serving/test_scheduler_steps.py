@@ -1,10 +1,12 @@
 """Multi-step decoding (``LLM(num_scheduler_steps=K)``, :meth:`serving.engine.Engine._decode_ahead`
-and ``_speculate_ahead``): up to ``K`` greedy decode steps, or speculative steps drafted on the
+and ``_speculate_ahead``): up to ``K`` plain decode steps, or speculative steps drafted on the
 device, per engine step, each fed the previous one's tokens on the device, give the same
-tokens as one step at a time and stop where one-step decoding stops; sampling without
-speculation and n-gram (host) drafts take single steps."""
+tokens as one step at a time, greedy or sampled, and stop where one-step decoding stops;
+n-gram (host) drafts take single steps."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -54,12 +56,28 @@ def test_steps_ahead_give_the_same_tokens(one_step):
     assert calls and max(calls) == 4 and all(1 < c <= 4 for c in calls)
 
 
-def test_sampling_and_host_drafts_take_single_steps():
-    """A sampled request without speculation, and speculation on the host's n-gram trees,
-    never run steps ahead."""
+def test_sampled_steps_ahead_give_the_same_tokens(one_step):
+    """Sampled plain decoding (temperature, top-k, top-p, per-request seeds; one greedy row in
+    the batch) chained on the device: each draw keyed by its output position, so the same
+    tokens as one step at a time."""
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.9, seed=3),
+        SamplingParams(max_tokens=7, temperature=1.3, top_k=5, seed=4),
+        SamplingParams(max_tokens=10),
+        SamplingParams(max_tokens=9, temperature=0.7, top_p=0.8, seed=5),
+    ]
+    want = [o.token_ids for o in one_step.generate(PROMPTS, params)]
     llm = LLM(ASSETS / "target", **TINY, num_scheduler_steps=4)
-    _, calls = _run(llm, SamplingParams(max_tokens=6, temperature=0.8, seed=1))
-    assert calls == []
+    got, calls = _run(llm, params)
+    assert got == want
+    assert calls and max(calls) == 4
+    # the draws depend on the seeds: another seed changes some token
+    other = [dataclasses.replace(p, seed=p.seed + 10) for p in params]
+    assert [o.token_ids for o in llm.generate(PROMPTS, other)] != want
+
+
+def test_host_drafts_take_single_steps():
+    """Speculation on the host's n-gram trees never runs steps ahead."""
     spec = SpecConfig(method="ngram", tree=(2, 1))
     llm = LLM(ASSETS / "target", **TINY, speculative=spec, num_scheduler_steps=4)
     _, calls = _run(llm, SamplingParams(max_tokens=6), ahead="_speculate_ahead")
