@@ -45,8 +45,9 @@
 #   layers              layers: one decoder layer of each kind at Qwen3.5-35B-A3B dims
 #   serving_xla         serving: `python -m serving bench`, tiny models, XLA kernels (~250 s)
 #   serving_auto        serving: the same with the arena Pallas kernels (~270 s); both report
-#                       the median of 5 timed runs per engine; METHOD (draft_model; mtp: the
-#                       target's MTP head drafts, JSON h200_<kernels>_mtp)
+#                       the median of REPEATS (5) timed runs per engine; METHOD (draft_model;
+#                       mtp: the target's MTP head drafts, JSON h200_<kernels>_mtp); STEPS
+#                       (num_scheduler_steps, 1; JSON suffix _steps<STEPS>)
 #   serving_35b_8l      serving: the bench at Qwen3.5-35B-A3B's dims cut to 8 layers, random
 #                       weights, n-gram drafting; DTYPE (bfloat16), KERNELS (auto), LIMIT (330 s;
 #                       float32 needs ~500); JAX_DEFAULT_MATMUL_PRECISION=highest is named too
@@ -220,9 +221,10 @@ step() {
     ;;
   serving_xla | serving_auto)
     local k=${1#serving_}
-    local name="h200_$k${METHOD:+_$METHOD}"
-    TAILN=8 run 300 serving "$name" python3 -m serving bench --kernels "$k" --compile-cache "" \
-      --method "${METHOD:-draft_model}" --repeats 5 --json "$(json serving "$name")"
+    local name="h200_$k${METHOD:+_$METHOD}${STEPS:+_steps$STEPS}"
+    TAILN=8 run 400 serving "$name" python3 -m serving bench --kernels "$k" --compile-cache "" \
+      --method "${METHOD:-draft_model}" --repeats "${REPEATS:-5}" \
+      --num-scheduler-steps "${STEPS:-1}" --json "$(json serving "$name")"
     ;;
   serving_35b_8l)
     local dtype=${DTYPE:-bfloat16} kernels=${KERNELS:-auto}

@@ -30,9 +30,10 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 from jax import numpy as jnp
 
-from benchmarks.common import frees_deferred, ints, log, markdown_table, write_json
+from benchmarks.common import frees_deferred, ints, load_config, log, markdown_table, write_json
 from benchmarks.kernel_profile import profile as profile_kernels
 from serving.bench import ASSETS, stdlib_prompts
 from serving.llm import LLM, load_model
@@ -57,6 +58,31 @@ def _ms(fn) -> float:
     return 1e3 * (time.perf_counter() - t)
 
 
+def mtp_levels(model, tree: tuple[int, ...], batch: int, dtype):
+    """The model part of MTP drafting as one program: per level of the static ``tree``, the
+    MTP head and the LM head on the level's frontier (``batch x`` nodes, one-token sequences),
+    then each node's ``width`` most likely children, as the speculative step drafts."""
+    graphdef, state = nnx.split(model)
+    widths = tuple(tree)
+
+    @jax.jit
+    def run(state, hidden, root):
+        m = nnx.merge(graphdef, state)
+        tokens, h = root[:, None], hidden[:, None]  # [B, F], [B, F, H]
+        for w in widths:
+            f = tokens.shape[1]
+            x = m.embed(tokens.reshape(batch * f, 1))
+            h = m.mtp(x, h.reshape(batch * f, 1, -1)).reshape(batch, f, -1)
+            logits = m.logits(h).astype(jnp.float32)
+            tokens = jax.lax.top_k(logits, w)[1].reshape(batch, f * w)
+            h = jnp.repeat(h, w, axis=1)
+        return tokens
+
+    hidden = jax.random.normal(jax.random.key(1), (batch, model.config.hidden_size), dtype)
+    root = jnp.ones((batch,), jnp.int32)
+    return lambda: run(state, hidden, root)
+
+
 def measure(
     batch: int,
     tree: tuple[int, ...],
@@ -65,9 +91,12 @@ def measure(
     dtype: str,
     profile: bool = False,
     method: str = "draft_model",
+    model=None,
 ) -> dict:
+    """One row: ``model`` the target (default: the shipped tiny one, in ``dtype``)."""
     dt = jnp.dtype(dtype)
-    model = load_model(ASSETS / "target", dt)
+    if model is None:
+        model = load_model(ASSETS / "target", dt)
     if method == "draft_model":
         spec = SpecConfig(
             method=method, draft_model=load_model(ASSETS / "draft", dt), tree=tree, verify="wy"
@@ -110,6 +139,9 @@ def measure(
         "spec step": lambda: block(device_spec(*a, **k)),
         "verify": lambda: block(runner.verify(handles, pages, lengths, tokens, parents)),
     }
+    if method == "mtp":
+        draft = mtp_levels(model, tree, batch, dt)
+        programs["draft"] = lambda: block(draft())
     for name, fn in programs.items():  # compile and warm
         t0 = time.perf_counter()
         fn()
@@ -126,6 +158,7 @@ def measure(
             prof = profile_kernels(fn, lambda _: None)
             profiles[name] = {k: prof.get(k) for k in ("kernels", "busy_ms", "span_ms", "top")}
     release()
+    log(f"batch {batch}, {method}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out.items()))
     return dict(
         batch=batch,
         method=method,
@@ -138,6 +171,14 @@ def measure(
         verify_ms=out["verify"],
         spec_over_decode=out["spec step"] / out["decode"],
         verify_share=out["verify"] / out["spec step"],
+        **(
+            dict(
+                draft_ms=out["draft"],
+                other_share=(out["spec step"] - out["verify"] - out["draft"]) / out["spec step"],
+            )
+            if "draft" in out
+            else {}
+        ),
         **({"profiles": profiles} if profile else {}),
     )
 
@@ -156,6 +197,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="drafters, comma list of draft_model, mtp (default: draft_model)",
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--config",
+        help="a config name in benchmarks/configs or an HF config.json: random weights at "
+        "that size, built on the device, drafted by its MTP head (default: the tiny target)",
+    )
+    ap.add_argument("--layers", type=int, help="with --config: cut the model to this many layers")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per program (default: 20)")
     ap.add_argument("--profile", action="store_true", help="profile each program's kernels (GPU)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
@@ -164,8 +211,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error("--reps, --batch and --tree must be positive")
     if bad := set(args.method) - {"draft_model", "mtp"}:
         ap.error(f"--method: unknown drafter(s) {sorted(bad)}; choose from draft_model, mtp")
+    model = None
+    if args.config:
+        if args.method != ["mtp"]:
+            ap.error("--config: random weights draft only by the MTP head (--method mtp)")
+        name, cfg = load_config(args.config)
+        cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+        if args.layers:
+            if args.layers < 1:
+                ap.error(f"--layers must be positive, got {args.layers}")
+            cfg["num_hidden_layers"] = args.layers
+            cfg.pop("layer_types", None)
+        if not cfg.get("mtp_num_hidden_layers"):
+            ap.error(f"--config: {name} has no MTP head (mtp_num_hidden_layers)")
+        t0 = time.perf_counter()
+        model = load_model(cfg, jnp.dtype(args.dtype))
+        jax.block_until_ready(nnx.state(model))
+        log(f"{name}: {cfg['num_hidden_layers']} layers built in {time.perf_counter() - t0:.1f} s")
     rows = [
-        measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype, args.profile, m)
+        measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype, args.profile, m, model)
         for m in args.method
         for b in args.batch
     ]
@@ -180,6 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ("spec_over_decode", "spec / decode"),
         ("verify_share", "verify / spec"),
     ]
+    if any("draft_ms" in r for r in rows):
+        cols += [("draft_ms", "MTP draft ms"), ("other_share", "rest / spec")]
     print(markdown_table(rows, cols, digits=3))
     for row in rows:
         for name, prof in row.get("profiles", {}).items():
