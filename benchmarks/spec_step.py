@@ -92,8 +92,10 @@ def measure(
     profile: bool = False,
     method: str = "draft_model",
     model=None,
+    memory_budget: int | None = None,
 ) -> dict:
-    """One row: ``model`` the target (default: the shipped tiny one, in ``dtype``)."""
+    """One row: ``model`` the target (default: the shipped tiny one, in ``dtype``), its
+    engine's arena ``memory_budget`` bytes (default: the engine's)."""
     dt = jnp.dtype(dtype)
     if model is None:
         model = load_model(ASSETS / "target", dt)
@@ -112,6 +114,7 @@ def measure(
         prefill_chunk=64,
         dtype=dtype,
         kernels=kernels,
+        memory_budget=memory_budget,
     )
     log(f"batch {batch}, {method}: engine built; prefilling and compiling")
     engine, runner = llm.engine, llm.engine.runner
@@ -229,7 +232,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jax.block_until_ready(nnx.state(model))
         log(f"{name}: {cfg['num_hidden_layers']} layers built in {time.perf_counter() - t0:.1f} s")
     rows = [
-        measure(b, tuple(args.tree), args.kernels, args.reps, args.dtype, args.profile, m, model)
+        measure(
+            b,
+            tuple(args.tree),
+            args.kernels,
+            args.reps,
+            args.dtype,
+            args.profile,
+            m,
+            model,
+            memory_budget=(8 << 30) if model is not None else None,
+        )  # fmt: skip
         for m in args.method
         for b in args.batch
     ]

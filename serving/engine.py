@@ -122,6 +122,16 @@ class Engine:
             out[i] = r.spec_handles if self.snapshot else r.spec_handles[0]
         return out
 
+    def _history(self, reqs: list[Request], b: int) -> np.ndarray:
+        """The rows' tokens for the n-gram drafter on the device, ``int32 [b, L]`` with ``L``
+        the tokens a row's pages hold: each request's prompt and output (its root last, at
+        its length), zeros after."""
+        out = np.zeros((b, self.sched.pages_per_seq * self.sched.page_size), np.int32)
+        for i, r in enumerate(reqs):
+            ctx = r.context()
+            out[i, : len(ctx)] = ctx
+        return out
+
     def _emit(self, req: Request, tokens: list[int], now: float) -> None:
         p = req.params
         for t in tokens:
@@ -299,6 +309,8 @@ class Engine:
             for i, r in enumerate(reqs):
                 hidden[i] = r.hidden
             kw["hidden"] = hidden
+        elif self.device_spec.history:  # n-gram lookups on the device, in the rows' tokens
+            kw["hidden"] = self._history(reqs, b)
         elif isinstance(self.drafter, NgramDrafter):  # trees from the host's n-gram lookups
             builders = [TreeBuilder(r.output[-1], self.spec, None) for r in reqs]
             self.drafter.draft([r.context() for r in reqs], builders)
@@ -337,6 +349,8 @@ class Engine:
             hidden = np.zeros((b, h.shape[-1]), h.dtype)
             for i, r in enumerate(reqs):
                 hidden[i] = r.hidden
+        elif self.device_spec.history:
+            hidden = self._history(reqs, b)
         out, counts, hidden = self.device_spec.ahead(
             *rows, root, self._scratch(reqs, b), seeds, temp, top_k, top_p,
             steps=steps, hidden=hidden,

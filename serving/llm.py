@@ -211,11 +211,11 @@ class LLM:
         previous one's tokens on the device, so the host's work for a step overlaps the
         device's for the one before (vLLM's name): plain decode steps (the argmax, or a
         draw keyed by the row's output position, fed back), or speculative steps drafted on
-        the device (draft model, MTP; each row's root, length and random-stream position
-        advanced by its emitted tokens); greedy or sampled, the same tokens as one step at a
-        time. The tokens reach the host, and the scheduler admits requests, once per engine
-        step. N-gram drafting (host trees) and steps with a prefilling request take one
-        step. Default 1.
+        the device (draft model, MTP, n-gram static trees; each row's root, length and
+        random-stream position advanced by its emitted tokens); greedy or sampled, the same
+        tokens as one step at a time. The tokens reach the host, and the scheduler admits
+        requests, once per engine step. N-gram budget trees (drafted on the host) and steps
+        with a prefilling request take one step. Default 1.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory

@@ -10,9 +10,11 @@ counts (and, for the MTP drafter, the next step's hidden state). Inside the prog
    ``<= d`` (the draft model's tree verify over the partial tree, its cache only read) or on
    the frontier alone (the MTP head, from each parent's hidden state), and picks each frontier
    node's ``b_{d+1}`` children: the most likely tokens (greedy rows) or ``b_{d+1}`` draws
-   without replacement from ``q = softmax(logits / T)`` (Gumbel top-k; sampled rows). With
-   the n-gram drafter the host builds the tree (:class:`serving.spec_trees.TreeBuilder`) and
-   the program starts at 2.
+   without replacement from ``q = softmax(logits / T)`` (Gumbel top-k; sampled rows). The
+   n-gram drafter's static trees are prompt lookups in the rows' tokens, which the step takes
+   as an input and returns with its emitted tokens appended (:func:`ngram_tree`); for its
+   budget trees the host builds the tree (:class:`serving.spec_trees.TreeBuilder`) and the
+   program starts at 2.
 2. **Verify** the whole tree with the target (tree WY or per-node snapshots), writing the tree
    state into the rows' scratch units exactly as the two-program path does.
 3. **Accept** on the device: greedy rows follow the target's argmax; sampled rows run
@@ -121,6 +123,87 @@ def _compact_tree(alive, tokens, parents, n: int):
     toks, index = _compact(alive, tokens, n, 0)
     packed_parent = jnp.where(parents >= 0, index[rows, jnp.maximum(parents, 0)], -1)
     return toks, _compact(alive, packed_parent, n, -2)[0], index
+
+
+_NO_TOKEN = np.iinfo(np.int32).max  # sorts after every token
+
+
+def _continuations(text, total, ngram_max: int, width: int):
+    """Prompt lookup on the device, :func:`serving.drafters.ngram_counts` and the greedy pick
+    of :class:`serving.spec_trees.TreeBuilder` for a batch of texts: ``text int32 [R, W]``
+    whose first ``total [R]`` tokens count. For the longest suffix (up to ``ngram_max``
+    tokens) that occurred earlier, the tokens that followed its earlier occurrences, the
+    ``width`` most frequent (ties: the smaller token first). Returns ``(tokens [R, width],
+    found bool [R, width])``."""
+    r, w = text.shape
+    pos = jnp.arange(w)[None, :]
+    cand = jnp.full((r, w), _NO_TOKEN, jnp.int32)
+    done = jnp.zeros((r,), bool)
+    for n in range(ngram_max, 0, -1):
+        # windows text[i : i + n] of text[:total - 1], against the last n tokens
+        hit = pos <= (total - 1 - n)[:, None]
+        for j in range(n):
+            shifted = jnp.pad(text[:, j:], ((0, 0), (0, j)))
+            suffix = jnp.take_along_axis(text, jnp.maximum(total - n + j, 0)[:, None], axis=1)
+            hit &= shifted == suffix
+        follow = jnp.pad(text[:, n:], ((0, 0), (0, n)))
+        use = ~done & jnp.any(hit, axis=1)
+        cand = jnp.where(use[:, None], jnp.where(hit, follow, _NO_TOKEN), cand)
+        done |= use
+    s = jnp.sort(cand, axis=1)
+    start = jnp.concatenate([jnp.ones((r, 1), bool), s[:, 1:] != s[:, :-1]], axis=1)
+    nxt = jnp.where(start, pos, w)  # each run's length: the next run's start minus its own
+    nxt = jax.lax.cummin(jnp.concatenate([nxt[:, 1:], jnp.full((r, 1), w)], axis=1), axis=1,
+                         reverse=True)  # fmt: skip
+    count = jnp.where(start & (s != _NO_TOKEN), nxt - pos, 0)
+    top, idx = jax.lax.top_k(count, width)  # equal counts: the lower index, the smaller token
+    return jnp.take_along_axis(s, idx, axis=1), top > 0
+
+
+def ngram_tree(history, lengths, root, tree: StaticTree, ngram_max: int):
+    """The n-gram drafter's static tree on the device, node for node the host's
+    (:class:`serving.drafters.NgramDrafter` filling a :class:`serving.spec_trees.TreeBuilder`):
+    ``history int32 [B, L]`` each row's tokens (its root at ``lengths``, the cache's length),
+    each node's children the continuations of its context (the row's tokens, then the path
+    from the root to the node). Nodes without continuations get no children; the tree is
+    packed as the host pads it: ``(tokens [B, N], parents [B, N])``, parent ``-2`` past the
+    end."""
+    b, hl = history.shape
+    off, depth = tree.level_offsets, tree.depth
+    text = jnp.pad(history, ((0, 0), (0, depth)))
+    n = tree.num_nodes
+    tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(root)
+    alive = jnp.zeros((b, n), bool).at[:, 0].set(True)
+    paths = jnp.zeros((b, 1, depth), jnp.int32)  # each frontier node's tokens after the root
+    rows = jnp.arange(b)[:, None]
+    for d, w in enumerate(tree.widths):
+        lo, hi = off[d], off[d + 1]
+        f = hi - lo
+        ctx = jnp.broadcast_to(text[:, None], (b, f, hl + depth))
+        at = (lengths + 1)[:, None, None] + jnp.arange(d)[None, None, :]
+        ctx = ctx.at[rows[:, :, None], jnp.arange(f)[None, :, None], at].set(paths[:, :, :d])
+        total = jnp.broadcast_to((lengths + 1 + d)[:, None], (b, f))
+        kids, found = _continuations(
+            ctx.reshape(b * f, -1), total.reshape(-1), ngram_max, w
+        )
+        kids, found = kids.reshape(b, f * w), found.reshape(b, f * w)
+        found &= jnp.repeat(alive[:, lo:hi], w, axis=1)
+        tokens = tokens.at[:, off[d + 1] : off[d + 2]].set(jnp.where(found, kids, 0))
+        alive = alive.at[:, off[d + 1] : off[d + 2]].set(found)
+        paths = jnp.repeat(paths, w, axis=1).at[:, :, d].set(kids)
+    parents = jnp.broadcast_to(jnp.asarray(tree.parents), (b, n))
+    toks, par, _ = _compact_tree(alive, tokens, parents, n)
+    return toks, par
+
+
+def append_history(history, lengths, out, count):
+    """``history`` with each row's emitted tokens ``out [B, depth + 1]`` (the first ``count``)
+    written after its root (position ``lengths``), so that the last one, the next root, sits
+    at ``lengths + count``; writes past the end are dropped."""
+    b, d1 = out.shape
+    at = (lengths + 1)[:, None] + jnp.arange(d1)[None, :]
+    at = jnp.where(jnp.arange(d1)[None, :] < count[:, None], at, history.shape[1])
+    return history.at[jnp.arange(b)[:, None], at].set(out, mode="drop")
 
 
 def target_probs(logits, temperature, top_k, top_p):
@@ -308,7 +391,7 @@ class ProgramKey:
     draft: object  # the draft model's graphdef (draft_model) or None
     draft_spec: ArenaSpec | None
     draft_kernels: ArenaKernels | None
-    tree: StaticTree | BudgetTree | None  # None: the host's trees (n-gram)
+    tree: StaticTree | BudgetTree | None  # None: the host's trees (n-gram, budget trees)
     width: int
     depth: int
     snapshot: bool
@@ -320,6 +403,7 @@ class ProgramKey:
     make_draft_cache: object = ArenaCache
     # steps of at most this many tree tokens run as CUDA graphs (serving.launch)
     graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS
+    ngram_max: int = 0  # the n-gram drafter's longest suffix (its static trees on the device)
 
 
 @functools.cache
@@ -465,7 +549,12 @@ def _program(key: ProgramKey):
         tstate = tflat.state()  # the runners' serving.runner.FlatState
         dstate = None if dflat is None else dflat.state()
         keys = row_keys(seeds)
-        if isinstance(tree, BudgetTree):
+        history = None
+        if key.drafter == "ngram" and tree is not None:  # hidden: the rows' tokens
+            history = hidden
+            tokens, parents = ngram_tree(history, lengths, root, tree, key.ngram_max)
+            draft_logits = None
+        elif isinstance(tree, BudgetTree):
             tokens, parents, draft_logits = draft_budget(
                 tstate, dstate, buf, table, handles, pages, lengths, root, hidden, temp, keys
             )
@@ -508,15 +597,19 @@ def _program(key: ProgramKey):
                 dm, chunk, draft_cache(buf, table, handles, pages, lengths), path_len
             )
             buf = dcache.buffer
+        out = emitted(tokens, path, path_len, nxt)
+        if history is not None:
+            return out, path_len, append_history(history, lengths, out, path_len), buf
         last = jnp.take_along_axis(path, (path_len - 1)[:, None], axis=1)[:, 0]
         hidden_next = hid[jnp.arange(hid.shape[0]), last]
-        return emitted(tokens, path, path_len, nxt), path_len, hidden_next, buf
+        return out, path_len, hidden_next, buf
 
     def packed_step(tflat, dflat, buf, table, ints, floats, hidden):
         """``step`` on the packed inputs of :func:`pack_inputs` (the last ``table_rows`` rows
         of ``ints``: handle-table changes, applied to ``table`` first); returns ``(int32 [B,
         depth + 2]`` (the emitted tokens, then their count), ``hidden [B, H]`` (the MTP
-        drafter's; else None), the arena, the table)."""
+        drafter's; the n-gram drafter's rows' tokens, the emitted ones appended; else None),
+        the arena, the table)."""
         ints, table = split_table_delta(table, ints, key.table_rows)
         n, s = key.nodes, key.nodes if key.snapshot else 1
         widths = [1, None, 1, 1, n, n, s, 3, 1]
@@ -533,7 +626,8 @@ def _program(key: ProgramKey):
             floats[:, 0], top_k[:, 0], floats[:, 1],
         )  # fmt: skip
         packed = jnp.concatenate([out, path_len[:, None]], axis=1).astype(jnp.int32)
-        return packed, hidden_next if key.drafter == "mtp" else None, buf, table
+        keep = key.drafter == "mtp" or (key.drafter == "ngram" and tree is not None)
+        return packed, hidden_next if keep else None, buf, table
 
     def tree_tokens(args):  # the packed integer inputs are positional argument 4
         return (args[4].shape[0] - key.table_rows) * key.nodes
@@ -594,8 +688,8 @@ class DeviceSpeculator:
     MTP head, or host-built n-gram trees)."""
 
     def __init__(self, runner, spec, *, drafter: str, draft_runner=None):
-        if drafter == "ngram":
-            tree = None  # built on the host
+        if drafter == "ngram" and spec.tree is None:
+            tree = None  # budget trees of n-grams: built on the host
         elif spec.tree is not None:
             tree = StaticTree(tuple(spec.tree))
         else:
@@ -622,6 +716,7 @@ class DeviceSpeculator:
             make_target_cache=runner.make_cache,
             make_draft_cache=draft_runner.make_cache if draft_runner is not None else ArenaCache,
             graph_tokens=runner.graph_tokens,
+            ngram_max=spec.ngram_max if drafter == "ngram" else 0,
         )
         self._dstate = None if draft_runner is None else draft_runner._state
         # the program variants, looked up once (hashing the key each step costs milliseconds)
@@ -644,8 +739,15 @@ class DeviceSpeculator:
     @property
     def chains(self) -> bool:
         """Whether steps can follow each other on the device (:meth:`ahead`): the drafter
-        drafts on the device (not the host's n-gram trees)."""
-        return self.drafter != "ngram"
+        drafts on the device (not the host's n-gram budget trees)."""
+        return self.key.tree is not None
+
+    @property
+    def history(self) -> bool:
+        """Whether a step takes the rows' tokens (``hidden``: ``int32 [B, L]``, each row's
+        tokens, its root at its length): the n-gram drafter's static trees, drafted on the
+        device (:func:`ngram_tree`)."""
+        return self.drafter == "ngram" and self.key.tree is not None
 
     def __call__(
         self,
@@ -666,8 +768,10 @@ class DeviceSpeculator:
         """One step: returns host arrays ``(emitted int32 [B, depth + 1], counts int32 [B],
         hidden [B, H]`` (the MTP drafter's next hidden states; None for the others)), fetched
         from the device in one transfer (the arena updated in place). The inputs go to the
-        device packed in two arrays (:func:`pack_inputs`); ``tokens`` and ``parents``: the
-        host's trees (n-gram drafting)."""
+        device packed in two arrays (:func:`pack_inputs`); ``hidden``: the MTP drafter's
+        hidden states, or for the n-gram drafter's static trees (:attr:`history`) the rows'
+        tokens ``int32 [B, L]``; ``tokens`` and ``parents``: the host's trees (n-gram budget
+        trees)."""
         out, counts, hid = self.ahead(
             handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p,
             steps=1, hidden=hidden, tokens=tokens, parents=parents,
@@ -692,7 +796,7 @@ class DeviceSpeculator:
         parents=None,
     ):
         """``steps`` speculative steps dispatched back to back, each fed the previous one's
-        emitted tokens, lengths and (MTP) hidden states on the device
+        emitted tokens, lengths and (MTP) hidden states or (n-gram) tokens on the device
         (:func:`_chained_program`), so the host's work for a step overlaps the device's for
         the one before; one fetch at the end. The rows' pages must hold ``steps * (depth +
         1)`` more tokens. Returns host arrays ``(emitted int32 [steps, B, depth + 1], counts
@@ -706,7 +810,7 @@ class DeviceSpeculator:
         b = root.shape[0]
         if tokens is None:
             tokens = parents = np.zeros((b, self.num_nodes), np.int32)
-        if self.drafter != "mtp":
+        if self.drafter != "mtp" and not self.history:
             hidden = None  # only the MTP drafter reads it (None: nothing moves to the device)
         self.calls += steps
         ints, floats = pack_inputs(
@@ -726,6 +830,8 @@ class DeviceSpeculator:
             )
             outs.append(packed)
         r.adopt_table(table)
+        if self.history:
+            hidden = None  # the rows' tokens: the host has them
         outs, hidden = jax.device_get((outs, hidden))
         outs = np.stack(outs)
         return outs[:, :, :-1], outs[:, :, -1], hidden

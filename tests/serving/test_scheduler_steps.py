@@ -2,7 +2,7 @@
 and ``_speculate_ahead``): up to ``K`` plain decode steps, or speculative steps drafted on the
 device, per engine step, each fed the previous one's tokens on the device, give the same
 tokens as one step at a time, greedy or sampled, and stop where one-step decoding stops;
-n-gram (host) drafts take single steps."""
+n-gram budget trees (drafted on the host) take single steps."""
 
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ def test_sampled_steps_ahead_give_the_same_tokens(one_step):
 
 
 def test_host_drafts_take_single_steps():
-    """Speculation on the host's n-gram trees never runs steps ahead."""
-    spec = SpecConfig(method="ngram", tree=(2, 1))
+    """Speculation on the host's n-gram trees (budget trees) never runs steps ahead."""
+    spec = SpecConfig(method="ngram", budget=4, depth=2, branch=2)
     llm = LLM(ASSETS / "target", **TINY, speculative=spec, num_scheduler_steps=4)
     _, calls = _run(llm, SamplingParams(max_tokens=6), ahead="_speculate_ahead")
     assert calls == []
@@ -90,7 +90,7 @@ def test_bad_scheduler_steps_are_refused(bad):
         LLM(ASSETS / "target", **TINY, num_scheduler_steps=bad)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+@pytest.mark.parametrize("method", ["draft_model", "mtp", "ngram"])
 def test_speculative_steps_ahead_give_the_same_tokens(method):
     """Speculative steps chained on the device (``num_scheduler_steps=K`` with a drafter on
     the device): the same tokens as one step at a time, greedy with a stop token met mid-way
@@ -108,7 +108,7 @@ def test_speculative_steps_ahead_give_the_same_tokens(method):
         SamplingParams(max_tokens=10),
     ]
     sampled = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=s) for s in range(4)]
-    cases = [greedy] + ([sampled] if method == "draft_model" else [])
+    cases = [greedy] + ([sampled] if method != "mtp" else [])
     llm = LLM(ASSETS / "target", **TINY, speculative=spec, num_scheduler_steps=3)
     wants = []
     for params in cases:

@@ -15,9 +15,12 @@ from scipy import stats
 
 from serving import LLM, SamplingParams, SpecConfig
 from serving import acceptance as host
+from serving.drafters import NgramDrafter
 from serving.spec_device import (
     StaticTree,
     accept,
+    append_history,
+    ngram_tree,
     pick_children,
     row_keys,
     sample_rows,
@@ -46,6 +49,48 @@ def test_static_tree_is_the_host_builders_layout(widths):
     tree = StaticTree(widths)
     np.testing.assert_array_equal(tree.parents, _builder_layout(widths))
     assert tree.num_nodes == SpecConfig(tree=widths).num_nodes
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    widths=st.sampled_from([(2, 1), (4, 2, 2), (2, 1, 1, 1, 1), (3,), (1, 1, 1)]),
+    vocab=st.sampled_from([3, 6, 12, 1000]),
+    ngram_max=st.integers(1, 4),
+)
+def test_ngram_tree_is_the_host_drafters(seed, widths, vocab, ngram_max):
+    """The n-gram drafter's static tree on the device equals the host's (``NgramDrafter`` into
+    a ``TreeBuilder``) node for node: contexts of 1 to 40 tokens over small vocabularies (many
+    matches, ties between counts) and a large one (mostly none, nodes without children)."""
+    rng = np.random.default_rng(seed)
+    spec = SpecConfig(method="ngram", tree=widths, ngram_max=ngram_max)
+    b, width = 4, 48
+    lengths = rng.integers(0, 40, b)
+    history = rng.integers(0, vocab, (b, width)).astype(np.int32)  # junk past each root
+    contexts = [history[i, : lengths[i] + 1] for i in range(b)]
+    builders = [TreeBuilder(int(c[-1]), spec, None) for c in contexts]
+    NgramDrafter(ngram_max, vocab).draft(contexts, builders)
+    tokens, parents = ngram_tree(
+        jnp.asarray(history),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(history[np.arange(b), lengths]),
+        StaticTree(widths),
+        ngram_max,
+    )
+    for i, tb in enumerate(builders):
+        want_tokens, want_parents = tb.arrays(spec.num_nodes)
+        np.testing.assert_array_equal(np.asarray(tokens[i]), want_tokens)
+        np.testing.assert_array_equal(np.asarray(parents[i]), want_parents)
+
+
+def test_append_history_writes_each_rows_emitted_tokens_after_its_root():
+    history = np.arange(2 * 8, dtype=np.int32).reshape(2, 8)
+    out = np.asarray([[50, 51, 52], [60, 61, 62]], np.int32)
+    got = append_history(jnp.asarray(history), jnp.asarray([2, 6]), out, jnp.asarray([2, 3]))
+    want = history.copy()
+    want[0, 3:5] = [50, 51]  # two emitted tokens after the root at 2
+    want[1, 7] = 60  # three after the root at 6: the last two fall off the end
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @settings(max_examples=25, deadline=None)
