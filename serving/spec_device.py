@@ -183,9 +183,7 @@ def ngram_tree(history, lengths, root, tree: StaticTree, ngram_max: int):
         at = (lengths + 1)[:, None, None] + jnp.arange(d)[None, None, :]
         ctx = ctx.at[rows[:, :, None], jnp.arange(f)[None, :, None], at].set(paths[:, :, :d])
         total = jnp.broadcast_to((lengths + 1 + d)[:, None], (b, f))
-        kids, found = _continuations(
-            ctx.reshape(b * f, -1), total.reshape(-1), ngram_max, w
-        )
+        kids, found = _continuations(ctx.reshape(b * f, -1), total.reshape(-1), ngram_max, w)
         kids, found = kids.reshape(b, f * w), found.reshape(b, f * w)
         found &= jnp.repeat(alive[:, lo:hi], w, axis=1)
         tokens = tokens.at[:, off[d + 1] : off[d + 2]].set(jnp.where(found, kids, 0))
