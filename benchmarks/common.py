@@ -138,6 +138,21 @@ def markdown_table(rows: list[dict], cols, digits: int = 3) -> str:
     return "\n".join(lines)
 
 
+class CallCapture:
+    """Stands in for a callable (the engine's speculator): calls it, keeps the arguments of the
+    last call in ``args`` (positional) and ``kwargs``, and forwards every other attribute."""
+
+    def __init__(self, inner):
+        self.inner, self.args, self.kwargs = inner, None, None
+
+    def __call__(self, *a, **k):
+        self.args, self.kwargs = a, k
+        return self.inner(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 @contextlib.contextmanager
 def frees_deferred(manager):
     """Inside the block the memory manager's ``free`` calls are recorded, not made, so that rows

@@ -33,23 +33,20 @@ import numpy as np
 from flax import nnx
 from jax import numpy as jnp
 
-from benchmarks.common import frees_deferred, ints, load_config, log, markdown_table, write_json
+from benchmarks.common import (
+    CallCapture,
+    frees_deferred,
+    ints,
+    load_config,
+    log,
+    markdown_table,
+    write_json,
+)
 from benchmarks.kernel_profile import profile as profile_kernels
 from serving.bench import ASSETS, stdlib_prompts
 from serving.llm import LLM, load_model
 from serving.params import SamplingParams, SpecConfig
 from serving.spec_device import StaticTree
-
-
-class _Capture:
-    """Calls the engine's speculator and keeps the arguments of the last call."""
-
-    def __init__(self, inner):
-        self.inner, self.args = inner, None
-
-    def __call__(self, *a, **k):
-        self.args = (a, k)
-        return self.inner(*a, **k)
 
 
 def _ms(fn) -> float:
@@ -119,14 +116,14 @@ def measure(
     log(f"batch {batch}, {method}: engine built; prefilling and compiling")
     engine, runner = llm.engine, llm.engine.runner
     device_spec = engine.device_spec
-    capture = _Capture(device_spec)
+    capture = CallCapture(device_spec)
     engine.device_spec = capture  # keeps the last step's inputs: this batch's rows
     try:  # the finished rows keep their memory until the timings are done
         with frees_deferred(engine.sched.manager) as release:
             llm.generate(stdlib_prompts(batch, 96), SamplingParams(max_tokens=4))
     finally:
         engine.device_spec = device_spec
-    a, k = capture.args
+    a, k = capture.args, capture.kwargs
     handles, pages, lengths = a[0], a[1], a[2]
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.config.vocab_size, (batch, spec.num_nodes), np.int32)
@@ -206,6 +203,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "that size, built on the device, drafted by its MTP head (default: the tiny target)",
     )
     ap.add_argument("--layers", type=int, help="with --config: cut the model to this many layers")
+    ap.add_argument(
+        "--memory-budget",
+        type=lambda x: int(float(x)),
+        help="the engine's arena bytes (default: the engine's own, sized for the batch; at "
+        "35B dims batch 1 needs more, e.g. 8e9)",
+    )
     ap.add_argument("--reps", type=int, default=20, help="timed calls per program (default: 20)")
     ap.add_argument("--profile", action="store_true", help="profile each program's kernels (GPU)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.profile,
             m,
             model,
-            memory_budget=(8 << 30) if model is not None else None,
+            memory_budget=args.memory_budget,
         )  # fmt: skip
         for m in args.method
         for b in args.batch

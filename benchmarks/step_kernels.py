@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.common import ints, load_config, markdown_table, write_json  # noqa: E402
+from benchmarks.common import CallCapture, ints, load_config, markdown_table, write_json  # noqa: E402
 
 
 def entry_launches(hlo: str) -> dict:
@@ -125,12 +125,8 @@ def spec_step_program(batch: int, tree: tuple[int, ...], sharding, method: str =
         prefill_chunk=64, dtype="float32", kernels="xla",
     )  # fmt: skip
     engine, runner = llm.engine, llm.engine.runner
-    ds, seen = engine.device_spec, {}
-
-    def capture(*a, **k):
-        seen["args"] = a
-        return ds(*a, **k)
-
+    ds = engine.device_spec
+    capture = CallCapture(ds)
     engine.device_spec = capture
     with frees_deferred(engine.sched.manager):
         llm.generate(stdlib_prompts(batch, 96), SamplingParams(max_tokens=4))
@@ -165,7 +161,7 @@ def spec_step_program(batch: int, tree: tuple[int, ...], sharding, method: str =
         x = x if hasattr(x, "dtype") else np.asarray(x)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p = seen["args"]
+    handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p = capture.args
     nodes = np.zeros((batch, ds.num_nodes), np.int32)
     ints, floats = spec_device.pack_inputs(
         handles, pages, lengths, root, nodes, nodes, scratch, seeds, temp, top_k, top_p

@@ -80,6 +80,29 @@ def test_spec_step_rows(tmp_path, capsys):
     assert "| spec step ms |" in capsys.readouterr().out
 
 
+def test_spec_step_at_a_config_drafts_with_its_mtp_head(tmp_path):
+    """``--config``: random weights at a config's size (here a 4-layer MoE config cut to tiny
+    dims), drafted by its MTP head, with the drafting's model part timed alone."""
+    from benchmarks import spec_step
+    from benchmarks.common import load_config
+    from benchmarks.layers import SMOKE
+
+    _, cfg = load_config("qwen3_5_35b_a3b")
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    cfg.update(SMOKE, vocab_size=512, num_hidden_layers=4)
+    cfg.pop("layer_types", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["--config", str(path), "--method", "mtp", "--batch", "1", "--tree", "2,1"]
+    (row,) = spec_step.main([*argv, "--reps", "1"])
+    assert row["method"] == "mtp" and row["nodes"] == 5 and row["draft_ms"] > 0
+    assert row["other_share"] == pytest.approx(
+        (row["spec_step_ms"] - row["verify_ms"] - row["draft_ms"]) / row["spec_step_ms"]
+    )
+    with pytest.raises(SystemExit):  # random weights have no draft model
+        spec_step.main(["--config", str(path), "--method", "draft_model"])
+
+
 def test_model_step_smoke(tmp_path, capsys):
     """Every step's row with a positive time and floor; the floor grows with the batch."""
     from benchmarks import model_step
