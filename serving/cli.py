@@ -288,7 +288,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="steps per engine step, dispatched back to back with the tokens fed on the "
         "device: plain decoding, or speculation drafted on the device (draft model, "
-        "MTP) (default: %(default)s)",
+        "MTP, n-gram static trees) (default: %(default)s)",
     )
     p.add_argument(
         "--dtype",

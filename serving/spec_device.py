@@ -683,7 +683,7 @@ def pack_inputs(handles, pages, lengths, root, tokens, parents, scratch, seeds, 
 class DeviceSpeculator:
     """One jitted program per speculative step (module docstring) over the target's
     :class:`serving.runner.ArenaRunner` (and the draft model's arena runner, or the target's
-    MTP head, or host-built n-gram trees)."""
+    MTP head, or n-gram lookups: static trees on the device, budget trees built on the host)."""
 
     def __init__(self, runner, spec, *, drafter: str, draft_runner=None):
         if drafter == "ngram" and spec.tree is None:
