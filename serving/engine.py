@@ -169,6 +169,19 @@ class Engine:
 
     # -------------------------------------------------------------------------------- steps
 
+    @property
+    def _drafts_on_device(self) -> bool:
+        """Whether the one-program speculative step drafts its trees itself: the draft model,
+        the MTP head, the n-gram drafter's static trees. Not for its budget trees, nor for
+        another host drafter put in its place (``engine.drafter = ...``, e.g. a replay
+        drafter), whose trees the host builds and sends."""
+        ds = self.device_spec
+        if ds is None or not ds.chains:
+            return False
+        if isinstance(self.drafter, NgramDrafter):
+            return ds.history and type(self.drafter) is NgramDrafter
+        return True
+
     def _steps_ahead(self) -> int:
         """Steps this engine step runs back to back, up to ``num_scheduler_steps`` when no
         running request is prefilling: plain decode steps (:meth:`_decode_ahead`) or
@@ -179,7 +192,7 @@ class Engine:
         if k < 2 or not s.running:
             return 1
         spec = self.spec is not None
-        if spec and (self.device_spec is None or not self.device_spec.chains):
+        if spec and not self._drafts_on_device:
             return 1
         per_step = 1 + self.depth if spec else 1
         cap = s.pages_per_seq * s.page_size
@@ -309,7 +322,8 @@ class Engine:
             for i, r in enumerate(reqs):
                 hidden[i] = r.hidden
             kw["hidden"] = hidden
-        elif self.device_spec.history:  # n-gram lookups on the device, in the rows' tokens
+        elif isinstance(self.drafter, NgramDrafter) and self._drafts_on_device:
+            # n-gram lookups on the device, in the rows' tokens
             kw["hidden"] = self._history(reqs, b)
         elif isinstance(self.drafter, NgramDrafter):  # trees from the host's n-gram lookups
             builders = [TreeBuilder(r.output[-1], self.spec, None) for r in reqs]

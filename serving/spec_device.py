@@ -724,15 +724,24 @@ class DeviceSpeculator:
         self._chained = {  # steps fed by the step before on the device (ahead)
             s: _chained_program(dataclasses.replace(self.key, sampling=s)) for s in (False, True)
         }
+        self._host_key = self.key  # the programs of trees the host sends (tokens, parents)
+        if self.history:  # another host drafter may stand in for the n-gram one
+            self._host_key = dataclasses.replace(self.key, tree=None, ngram_max=0)
+        self._host_programs = {
+            s: _program(dataclasses.replace(self._host_key, sampling=s)) for s in (False, True)
+        }
         self.num_nodes = spec.num_nodes
         self.calls = 0
 
     def compiled(self) -> int:
-        return sum(
+        n = sum(
             make(dataclasses.replace(self.key, sampling=s))._cache_size()
             for s in (False, True)
             for make in (_program, _chained_program)
         )
+        if self._host_key is not self.key:
+            n += sum(self._host_programs[s]._cache_size() for s in (False, True))
+        return n
 
     @property
     def chains(self) -> bool:
@@ -802,13 +811,14 @@ class DeviceSpeculator:
         outputs after its request stops are computed and not used."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
-        if steps > 1 and not self.chains:
-            raise ValueError(f"steps ahead need a drafter on the device, got {self.drafter!r}")
+        host_trees = tokens is not None
+        if steps > 1 and (host_trees or not self.chains):
+            raise ValueError(f"steps ahead need trees drafted on the device, got {self.drafter!r}")
         r = self.runner
         b = root.shape[0]
         if tokens is None:
             tokens = parents = np.zeros((b, self.num_nodes), np.int32)
-        if self.drafter != "mtp" and not self.history:
+        if self.drafter != "mtp" and not (self.history and not host_trees):
             hidden = None  # only the MTP drafter reads it (None: nothing moves to the device)
         self.calls += steps
         ints, floats = pack_inputs(
@@ -817,6 +827,8 @@ class DeviceSpeculator:
         table, delta = r.table_delta(TABLE_DELTA_ROWS)
         sampling = bool(np.any(temp > 0))
         first, chained = self._programs[sampling], self._chained[sampling]
+        if host_trees:
+            first = self._host_programs[sampling]
         ints = with_table_delta(ints, delta)  # re-applied by later steps: the same rows
         packed, hidden, r._buf, table = first(
             r._state, self._dstate, r._buf, table, ints, floats, hidden
@@ -828,7 +840,7 @@ class DeviceSpeculator:
             )
             outs.append(packed)
         r.adopt_table(table)
-        if self.history:
+        if self.history or host_trees:
             hidden = None  # the rows' tokens: the host has them
         outs, hidden = jax.device_get((outs, hidden))
         outs = np.stack(outs)

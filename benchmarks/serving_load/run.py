@@ -69,10 +69,14 @@ def make_llm(model, preset: dict, method: Method, budget: int, policy: str = "av
     )
 
 
-def warm_up(llm: LLM, preset: dict, vocab: int) -> float:
+def warm_up(llm: LLM, preset: dict, vocab: int, replay: ReplayParams | None = None) -> float:
     """Compiles every batch bucket's programs (prefill and decode / speculative step) by
-    generating for ``b`` equal prompts per bucket ``b``; returns the seconds it took."""
+    generating for ``b`` equal prompts per bucket ``b``; returns the seconds it took. A
+    speculating engine drafts with a replay drafter (``replay``; no requests registered), so
+    the programs of host-built trees compile, not those of the n-gram drafter's own."""
     t0 = time.perf_counter()
+    if replay is not None and llm.engine.spec is not None:
+        llm.engine.drafter = ReplayDrafter(vocab, replay)
     rng = np.random.default_rng(12345)
     for b in preset["batch_buckets"]:
         prompts = [rng.integers(1, vocab, 16).tolist() for _ in range(b)]
@@ -209,7 +213,7 @@ def run_method(model, preset, method: Method, workloads, oracles, replay, budget
     rows = []
     try:
         log(f"{method.name}: compiling")
-        warm_s = warm_up(llm, preset, vocab)
+        warm_s = warm_up(llm, preset, vocab, replay)
         for wl in workloads:
             drafter = install_replay(llm, wl, oracles[wl.name], replay) if method.spec else None
             for rate in rates[wl.name]:
@@ -245,7 +249,7 @@ def policy_study(model, preset, method: Method, wl: Workload, oracle, replay, bu
     for policy in POLICIES:
         llm = make_llm(model, preset, method, budget, policy)
         try:
-            warm_up(llm, preset, llm.config.vocab_size)
+            warm_up(llm, preset, llm.config.vocab_size, replay)
             if method.spec:
                 install_replay(llm, wl, oracle, replay)
             row = serve(llm, wl, rate, n, oracle)

@@ -12,6 +12,7 @@ import pytest
 
 from serving import LLM, SamplingParams, SpecConfig
 from serving.bench import ASSETS
+from serving.drafters import NgramDrafter
 
 TINY = dict(dtype="float32", max_num_seqs=4, batch_buckets=(2, 4), max_model_len=96)
 PROMPTS = [[5, 6, 7, 8, 9], [9, 10, 11], [40, 41, 42, 43, 44, 45, 46], [3]]
@@ -77,11 +78,30 @@ def test_sampled_steps_ahead_give_the_same_tokens(one_step):
 
 
 def test_host_drafts_take_single_steps():
-    """Speculation on the host's n-gram trees (budget trees) never runs steps ahead."""
+    """Speculation on trees the host builds never runs steps ahead: the n-gram drafter's
+    budget trees, and a host drafter put in place of the n-gram one on a static tree (whose
+    trees the step then verifies instead of drafting its own)."""
     spec = SpecConfig(method="ngram", budget=4, depth=2, branch=2)
     llm = LLM(ASSETS / "target", **TINY, speculative=spec, num_scheduler_steps=4)
     _, calls = _run(llm, SamplingParams(max_tokens=6), ahead="_speculate_ahead")
     assert calls == []
+
+    class Counting(NgramDrafter):
+        calls = 0
+
+        def draft(self, contexts, builders, **kw):
+            Counting.calls += 1
+            return super().draft(contexts, builders, **kw)
+
+    spec = SpecConfig(method="ngram", tree=(2, 1))
+    want = [
+        o.token_ids
+        for o in LLM(ASSETS / "target", **TINY).generate(PROMPTS, SamplingParams(max_tokens=6))
+    ]
+    llm = LLM(ASSETS / "target", **TINY, speculative=spec, num_scheduler_steps=4)
+    llm.engine.drafter = Counting(spec.ngram_max, llm.config.vocab_size)
+    got, calls = _run(llm, SamplingParams(max_tokens=6), ahead="_speculate_ahead")
+    assert calls == [] and Counting.calls > 0 and got == want
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
