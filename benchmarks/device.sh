@@ -50,7 +50,8 @@
 #                       (num_scheduler_steps, 1; JSON suffix _steps<STEPS>)
 #   serving_35b_8l      serving: the bench at Qwen3.5-35B-A3B's dims cut to 8 layers, random
 #                       weights, n-gram drafting; DTYPE (bfloat16), KERNELS (auto), LIMIT (330 s;
-#                       float32 needs ~500); JAX_DEFAULT_MATMUL_PRECISION=highest is named too
+#                       float32 needs ~500); JAX_DEFAULT_MATMUL_PRECISION=highest is named too;
+#                       STEPS (num_scheduler_steps, 1; JSON suffix _steps<STEPS>)
 #   draft_logits        draft_logits: the drafting program, XLA and auto kernels
 #   spec_step           spec_step: the one-program speculative step against a decode step;
 #                       KERNELS (auto; a comma list runs each), BATCH (1,8), METHOD
@@ -228,7 +229,7 @@ step() {
     ;;
   serving_35b_8l)
     local dtype=${DTYPE:-bfloat16} kernels=${KERNELS:-auto}
-    local name=h200_35b_8l_${dtype}_${kernels}${JAX_DEFAULT_MATMUL_PRECISION:+_$JAX_DEFAULT_MATMUL_PRECISION}
+    local name=h200_35b_8l_${dtype}_${kernels}${JAX_DEFAULT_MATMUL_PRECISION:+_$JAX_DEFAULT_MATMUL_PRECISION}${STEPS:+_steps$STEPS}
     python3 -c 'import json, sys
 c = json.load(open("benchmarks/configs/qwen3_5_35b_a3b.json"))
 c.pop("_source", None)
@@ -236,7 +237,8 @@ c["num_hidden_layers"] = 8
 json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
     TAILN=10 run "${LIMIT:-330}" serving "$name" python3 -m serving bench \
       --config /tmp/qwen3_5_35b_a3b_8l.json --dtype "$dtype" --num-prompts 16 --max-num-seqs 16 \
-      --max-tokens 32 --kernels "$kernels" --compile-cache "" --json "$(json serving "$name")"
+      --max-tokens 32 --kernels "$kernels" --compile-cache "" --num-scheduler-steps "${STEPS:-1}" \
+      --json "$(json serving "$name")"
     ;;
   spec_step)
     local ks=${KERNELS:-auto}
