@@ -291,6 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
         "as under uniform routing, which the floors assume: gdn_jax.moe.balanced_route) or "
         "model (the random router's own top-k, which sends most rows to a few experts)",
     )
+    ap.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="run each input projection as its own matmul (LLM(fuse_projections=False)); "
+        "default: the engine's fused projections",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
@@ -346,7 +352,9 @@ def main(argv: list[str] | None = None) -> dict:
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         dtype=args.dtype,
         kernels=args.kernels,
+        fuse_projections=not args.no_fuse,
     )
+    del model  # the engine's view holds the weights (its fused projections are new arrays)
     runner = llm.engine.runner
     rng = np.random.default_rng(0)
 
@@ -361,6 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
         layers=mc.num_hidden_layers,
         dtype=args.dtype,
         kernels=runner.kernels,
+        fused_projections=not args.no_fuse,
+        weight_arrays=len(jax.tree.leaves(nnx.state(llm.model, nnx.Param))),
         device=jax.devices()[0].device_kind,
         build_s=build_s,
         xla_flags=os.environ.get("XLA_FLAGS", ""),

@@ -197,13 +197,18 @@ def main(argv: list[str] | None = None) -> dict:
         help="its drafters, comma-separated: draft_model (the tiny draft model), mtp (the "
         "target's MTP head) (default: draft_model)",
     )
+    ap.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="each input projection its own matmul (default: fused, as the engine runs them)",
+    )
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
     if not set(args.spec_method.split(",")) <= {"draft_model", "mtp"}:
         ap.error(f"--spec-method: draft_model and/or mtp, got {args.spec_method!r}")
     from benchmarks.compile_report import h200_sharding
-    from gdn_jax.models import ModelConfig
+    from gdn_jax.models import ModelConfig, fuse_projections
     from gdn_jax.models.model import HybridLM, set_kernel_impl
     from serving import runner as R
     from serving.arena_spec import ArenaSpec
@@ -220,7 +225,13 @@ def main(argv: list[str] | None = None) -> dict:
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=shd)
 
-    model = nnx.eval_shape(lambda: HybridLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    def make():
+        m = HybridLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        if not args.no_fuse:  # as LLM(fuse_projections=True) runs it
+            fuse_projections(m)
+        return m
+
+    model = nnx.eval_shape(make)
     set_kernel_impl(model, "auto")
     graphdef, state = nnx.split(model)
     flat = R.FlatState.of(state)
@@ -287,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
     doc = dict(
         benchmark="step_kernels", config=name, layers=args.layers, kernels=kernels.name,
-        notes=list(notes), rows=out,
+        fused_projections=not args.no_fuse, notes=list(notes), rows=out,
     )  # fmt: skip
     print(f"\n{name}, {args.layers} layers, H200 target, kernels {kernels.name} (deviceless)\n")
     cols = [("program", "program"), ("launches", "launches"), ("per_layer", "per layer")]

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.models.config import ModelConfig
+from gdn_jax.models.fused import is_fused
 from gdn_jax.models.loading import F32_PARAMS, source_for
 from gdn_jax.models.model import HybridLM
 from gdn_jax.models.safetensors_io import write_safetensors
@@ -35,6 +36,11 @@ def hf_config(cfg: ModelConfig, **extra) -> dict:
 
 def save_pretrained(model: HybridLM, directory: str | Path, **config_extra) -> Path:
     """Saves ``model`` (bf16 weights, ``A_log``/``dt_bias`` in f32) into ``directory``."""
+    if is_fused(model):
+        raise ValueError(
+            "model: its input projections are fused (gdn_jax.models.fuse_projections, as the "
+            "serving engine runs a model); save the unfused model it was made from"
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     cfg = model.config

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from gdn_jax.models import HybridLM, ModelConfig, from_pretrained, init_random
+from gdn_jax.models import fused as fused_proj
 from gdn_jax.models.loading import load_config
 from gdn_jax.models.model import set_kernel_impl
 from serving.engine import Engine, buckets_for, make_drafter
@@ -89,11 +90,15 @@ class _Live:
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def _with_kernel_impl(model: HybridLM, kernels: str) -> HybridLM:
+def _with_kernel_impl(model: HybridLM, kernels: str, fuse: bool = False) -> HybridLM:
     """A view of ``model`` (the same weight arrays; the caller's model is untouched) whose own
-    kernel-routed ops follow ``kernels`` (:func:`serving.kernels.model_impl`)."""
+    kernel-routed ops follow ``kernels`` (:func:`serving.kernels.model_impl`); with ``fuse``
+    its input projections fused (:func:`gdn_jax.models.fuse_projections`: new arrays for
+    those weights, the caller's stay as they are)."""
     view = nnx.merge(*nnx.split(model))
     set_kernel_impl(view, model_impl(kernels))
+    if fuse:
+        fused_proj.fuse_projections(view)
     return view
 
 
@@ -255,6 +260,12 @@ class LLM:
       devices: the ``data_parallel_size * tensor_parallel_size`` devices to use, replica by
         replica (default: the first of ``jax.devices()``, every host's after
         ``jax.distributed.initialize``).
+      fuse_projections: run each block's input projections that read one input (a GDN
+        layer's four, attention's q/k/v, an MLP's gate and up, an MoE block's router and
+        shared expert) as one matmul over their concatenated weights
+        (:func:`gdn_jax.models.fuse_projections`; fewer kernels and weight arrays a step).
+        The engine fuses its own view of the model: a model object passed in keeps its
+        arrays, so those weights are then held twice. Default on; off on several devices.
     """
 
     def __init__(
@@ -284,6 +295,7 @@ class LLM:
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         devices: Sequence | None = None,
+        fuse_projections: bool = True,
     ):
         args = {k: v for k, v in locals().items() if k != "self"}
         for name, v in (
@@ -376,7 +388,9 @@ class LLM:
         if placement is not None:
             self.parallel.check_model(base.config)
             base = placement.place(base)
-        self.model = _with_kernel_impl(base, kernels)
+        fuse = fuse_projections and placement is None
+        self.model = _with_kernel_impl(base, kernels, fuse)
+        del base  # a model loaded here: its unfused projections go
         self.config = self.model.config
         self.speculative = speculative
         if tokenizer is None and isinstance(model, str | Path):
@@ -398,6 +412,7 @@ class LLM:
                     name="draft_model",
                 ),
                 kernels,
+                fuse,
             )
             if draft.config.vocab_size != self.config.vocab_size:
                 raise ValueError(

@@ -4,6 +4,7 @@
 from gdn_jax.models.cache_protocol import StepCache
 from gdn_jax.models.config import ModelConfig
 from gdn_jax.models.create import abstract_model, init_random
+from gdn_jax.models.fused import fuse_projections
 from gdn_jax.models.loading import CheckpointError, from_pretrained
 from gdn_jax.models.model import HybridLM, param_count, set_moe_routing
 
@@ -14,6 +15,7 @@ __all__ = [
     "StepCache",
     "abstract_model",
     "from_pretrained",
+    "fuse_projections",
     "init_random",
     "param_count",
     "set_moe_routing",

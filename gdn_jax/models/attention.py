@@ -28,6 +28,9 @@ class Attention(nnx.Module):
         self.o_proj = Linear(hq * d, h, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.fused_in = nnx.data(
+            None
+        )  # q_proj, k_proj, v_proj as one matmul (gdn_jax.models.fused)
         self.cfg = cfg
         self.scale = d**-0.5
 
@@ -37,10 +40,14 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t = x.shape[:2]
         d = cfg.head_dim
-        qg = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, -1)
+        if self.fused_in is not None:
+            qg, k, v = self.fused_in(x)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg = qg.reshape(b, t, cfg.num_attention_heads, -1)
         q, gate = qg[..., :d], (qg[..., d:].reshape(b, t, -1) if cfg.attn_output_gate else None)
-        k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, d)
-        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, d)
+        k = k.reshape(b, t, cfg.num_key_value_heads, d)
+        v = v.reshape(b, t, cfg.num_key_value_heads, d)
         rope = dict(rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
         q = apply_rope(self.q_norm(q), positions, **rope)
         k = apply_rope(self.k_norm(k), positions, **rope)

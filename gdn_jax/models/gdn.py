@@ -53,31 +53,41 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = nnx.Param(jnp.log(a))
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(cfg.linear_value_dim, h, dtype=dtype, rngs=rngs)
+        self.fused_in = nnx.data(None)  # in_proj_{qkv,z,b,a} as one matmul (gdn_jax.models.fused)
         self.cfg = cfg
         self.impl = "auto"  # chunk_gated_delta_rule's and tree_verify's impl (set_kernel_impl)
         # [q | k | v] blocks of the channels: 1, or the tensor-parallel size, whose device
         # blocks are each [q_d | k_d | v_d] (gdn_jax.sharding.qkv_rows)
         self.qkv_groups = 1
 
+    def in_projections(self, x: jax.Array):
+        """``(qkv [B, T, C] pre-conv, z [B, T, Hv * V], a, b f32 [B, T, Hv])``: the four input
+        projections, as one matmul when fused (:func:`gdn_jax.models.fused.fuse_projections`)."""
+        if self.fused_in is not None:
+            qkv, z, b, a = self.fused_in(x)
+        else:
+            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        return qkv, z, a.astype(jnp.float32), b.astype(jnp.float32)
+
     def gate_inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The gates' raw projections ``(a, b)``, f32 ``[B, T, Hv]``: ``g = -exp(A_log)
         softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
-        return self.in_proj_a(x).astype(jnp.float32), self.in_proj_b(x).astype(jnp.float32)
+        return self.in_projections(x)[2:]
 
     def takes_conv(self, rule) -> bool:
         """Whether ``rule`` runs this layer's conv on its conv state itself (its ``conv`` form,
         taken when the channels are one ``[q | k | v]`` block): :meth:`__call__`."""
         return getattr(rule, "conv", None) is not None and self.qkv_groups == 1
 
-    def project(self, x: jax.Array):
-        """``(qkv [B, T, C] pre-conv, z [B, T, Hv, V], g f32 [B, T, Hv], beta f32 [B, T, Hv])``."""
-        cfg = self.cfg
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(*x.shape[:2], cfg.linear_num_value_heads, -1)
-        a, b = self.gate_inputs(x)
+    def project(self, x: jax.Array, raw: bool = False):
+        """``(qkv [B, T, C] pre-conv, z [B, T, Hv, V], g f32 [B, T, Hv], beta f32 [B, T, Hv])``;
+        with ``raw`` also the gates' raw projections ``(a, b)`` (:meth:`gate_inputs`)."""
+        qkv, z, a, b = self.in_projections(x)
+        z = z.reshape(*x.shape[:2], self.cfg.linear_num_value_heads, -1)
         beta = jax.nn.sigmoid(b)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
-        return qkv, z, g, beta
+        return (qkv, z, g, beta, a, b) if raw else (qkv, z, g, beta)
 
     def split(self, mixed: jax.Array):
         """``[q | k | v]`` channels (in ``qkv_groups`` blocks) to ``q, k [B, T, Hk, K]`` and
@@ -122,10 +132,9 @@ class GatedDeltaNet(nnx.Module):
         conv_weight, a, b, A_log, dt_bias, *, num_tokens, use_qk_l2norm)`` on the pre-conv
         channels): ``conv_state`` is then unused and the second output is ``None``.
         """
-        qkv, z, g, beta = self.project(x)
+        qkv, z, g, beta, a, b_ = self.project(x, raw=True)
         b, t = x.shape[:2]
         if self.takes_conv(rule):  # the rule runs the conv too
-            a, b_ = self.gate_inputs(x)
             o, result = rule.conv(
                 qkv,
                 self.conv_weight[...],
@@ -146,7 +155,6 @@ class GatedDeltaNet(nnx.Module):
             new_conv = conv_state_after(conv_state, qkv, num_tokens)
         raw = getattr(rule, "raw", None)
         if raw is not None and self.qkv_groups == 1:
-            a, b_ = self.gate_inputs(x)
             o, new_ssm = raw(
                 mixed,
                 a,

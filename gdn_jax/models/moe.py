@@ -47,12 +47,17 @@ class SparseMoE(nnx.Module):
         # random weights: set_moe_routing)
         self.routing = "model"
         self.parallel = None  # tensor / expert parallel: gdn_jax.sharding.MoEParallel
+        # the router, the shared expert's gate and up projections and its gate as one matmul
+        # (gdn_jax.models.fused)
+        self.fused_in = nnx.data(None)
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def route(self, x: jax.Array, raw: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(weights [M, k] in x's dtype, expert ids int32 [M, k])`` for ``x: [M, H]``
-        (:func:`gdn_jax.moe.route_topk` on the router's logits, in ``impl``: with
-        ``norm_topk_prob`` the softmax of the top-k logits, never the full softmax)."""
-        raw = self.gate(x)
+        (:func:`gdn_jax.moe.route_topk` on the router's logits ``raw``, default ``gate(x)``,
+        in ``impl``: with ``norm_topk_prob`` the softmax of the top-k logits, never the full
+        softmax)."""
+        if raw is None:
+            raw = self.gate(x) if self.fused_in is None else self.fused_in(x)[0]
         if self.routing == "balanced":
             return balanced_route(raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype)
         return route_topk(
@@ -72,6 +77,13 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.fused_in is not None:
+            raw, gate, up, shared_gate = self.fused_in(x2)
+            weights, experts = self.route(x2, raw)
+            out = self.routed(x2, weights, experts)
+            shared = self.shared_expert.down_proj(jax.nn.silu(gate) * up)
+            shared = jax.nn.sigmoid(shared_gate) * shared
+            return (out + shared).astype(x.dtype).reshape(shape)
         weights, experts = self.route(x2)
         if self.parallel is not None:  # routed and shared expert over devices, one psum
             return self.parallel(self, x2, weights, experts).astype(x.dtype).reshape(shape)

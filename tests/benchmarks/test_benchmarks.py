@@ -204,3 +204,15 @@ def test_attention_splits_smoke(tmp_path):
     [row] = rows
     assert row["splits"] > 1 and row["us_auto"] > 0
     assert row["err_auto"] < 1e-2 and row["diff"] < 1e-2
+
+
+def test_fused_projections_smoke(tmp_path):
+    """Both engines' rows, every round kept, the fused one with fewer weight arrays."""
+    from benchmarks import fused_projections
+
+    doc = fused_projections.main(["--smoke", "--json", str(tmp_path / "f.json")])
+    fused, plain = doc["rows"]
+    assert (fused["fused"], plain["fused"]) == (True, False)
+    assert fused["weight_arrays"] < plain["weight_arrays"]
+    assert len(fused["rounds"]["ms"]) == 2 and fused["ms_ratio"] > 0
+    assert json.loads((tmp_path / "f.json").read_text())["rows"][0]["batch"] == 2

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from gdn_jax.models import from_pretrained
+from gdn_jax.models.fused import is_fused
 from gdn_jax.models.gdn import GatedDeltaNet
 from gdn_jax.models.moe import SparseMoE
 from gdn_jax.models.safetensors_io import Checkpoint, write_safetensors
@@ -138,6 +139,21 @@ def test_llm_model_impl_follows_kernels(target):
     }
     assert impls(llm.model) == {"xla"} and impls(target) == {"auto"}
     assert llm.model.embed_tokens[...] is target.embed_tokens[...]
+
+
+def test_llm_fuses_its_view(target):
+    """The engine fuses the input projections of its own view (new arrays for those weights;
+    the caller's model keeps its own), or not with ``fuse_projections=False``, and both give
+    the same greedy tokens."""
+    prompts = [[5, 17, 9, 3, 42, 7], [20, 1, 33]]
+    params = SamplingParams(max_tokens=12)
+    outs = []
+    for fuse in (True, False):
+        llm = LLM(target, kernels="xla", fuse_projections=fuse, **ENGINE)
+        assert is_fused(llm.model) == fuse and not is_fused(target)
+        assert target.layers[0].linear_attn.in_proj_qkv is not None
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
 
 
 def test_generate_takes_text_ids_and_dicts(tiny):

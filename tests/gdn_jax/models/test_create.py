@@ -157,3 +157,36 @@ def test_model_on_tpu_kernels_matches_xla():
         assert np.isfinite(got).all()
         assert np.abs(got - want).max() / np.abs(want).max() < 3e-2
         assert not np.array_equal(got, want)  # another path ran: not XLA's bits
+
+
+def test_fuse_projections():
+    """Fusing gives the unfused model's logits (f32, random weights: one matmul per block
+    instead of several), one ``[sum of outputs, in]`` weight per block in place of its
+    projections, and leaves the blocks split over devices alone; checkpoints refuse it."""
+    from gdn_jax.models import fuse_projections
+    from gdn_jax.models.fused import FusedLinear, is_fused
+    from serving.checkpoint import save_pretrained
+
+    cfg = dataclasses.replace(TINY_MOE, shared_expert_intermediate_size=24)
+    model = init_random(cfg, jnp.float32, seed=7)
+    ids = jnp.asarray(np.random.default_rng(7).integers(0, 64, (2, 9)), jnp.int32)
+    forward = nnx.jit(lambda m, ids: m(ids))
+    want = np.asarray(forward(model, ids))
+    fused = nnx.merge(*nnx.split(model))  # a view: the same arrays
+    fused.layers[3].mlp.parallel = "split over devices"  # stays unfused
+    assert fuse_projections(fused) == 2 * 5 - 1  # 4 layers and the MTP layer, less that MoE
+    assert fuse_projections(fused) == 0 and is_fused(fused) and not is_fused(model)
+    gdn, moe = fused.layers[0].linear_attn, fused.layers[0].mlp
+    assert isinstance(gdn.fused_in, FusedLinear) and gdn.in_proj_qkv is None
+    assert gdn.fused_in.sizes == (cfg.conv_dim, cfg.linear_value_dim, 4, 4)
+    assert gdn.fused_in.weight[...].shape == (cfg.conv_dim + cfg.linear_value_dim + 8, 32)
+    assert moe.fused_in.sizes == (4, 24, 24, 1) and moe.gate is None
+    assert fused.layers[3].mlp.fused_in is None and fused.layers[3].mlp.gate is not None
+    assert fused.layers[3].self_attn.fused_in.sizes == (2 * 4 * 16, 2 * 16, 2 * 16)
+    fused.layers[3].mlp.parallel = None  # (run it unsplit)
+    got = np.asarray(forward(fused, ids))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    with pytest.raises(ValueError, match="fused"):
+        save_pretrained(fused, "/nonexistent")
+    with pytest.raises(ValueError, match="weights"):
+        FusedLinear([jnp.zeros((3, 4)), jnp.zeros((3, 5))])

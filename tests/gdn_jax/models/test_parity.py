@@ -9,6 +9,7 @@ from flax import nnx
 
 from gdn_jax.models import from_pretrained
 from gdn_jax.models.cache import init_cache
+from gdn_jax.models.fused import fuse_projections, is_fused
 from gdn_jax.models.steps import commit, decode, prefill, verify_tree
 
 from .conftest import KINDS, PARENTS, PROMPT
@@ -25,10 +26,22 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(
+    scope="module",
+    params=[(k, f) for k in KINDS for f in (False, True)],
+    ids=lambda p: p[0] + ("-fused" if p[1] else ""),
+)
 def loaded(request, hf_models):
-    ckpt, inputs, ref = hf_models(request.param)
-    return from_pretrained(ckpt, dtype=jnp.float32), inputs, ref
+    """A model from an HF checkpoint; ``-fused``: with its input projections fused (as the
+    serving engine runs it), every block that reads one input several times."""
+    kind, fused = request.param
+    ckpt, inputs, ref = hf_models(kind)
+    model = from_pretrained(ckpt, dtype=jnp.float32)
+    if fused:
+        layers = model.config.num_hidden_layers + model.config.mtp_num_hidden_layers
+        assert fuse_projections(model) == 2 * layers  # a mixer and an ffn per layer
+        assert is_fused(model) and fuse_projections(model) == 0
+    return model, inputs, ref
 
 
 def fresh_cache(model, batch=2, max_len=40, page_size=4):
