@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.common import ints, load_config, log, markdown_table, write_json
-from benchmarks.model_step import SMOKE, decode_rows, median_ms, pipelined_ms
+from benchmarks.common import ints, log, markdown_table, write_json
+from benchmarks.model_step import decode_rows, median_ms, model_config, pipelined_ms
 from gdn_jax.models import set_moe_routing
 from serving.llm import LLM, load_model
 
@@ -56,11 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if min(args.batch) < 1 or min(args.rounds, args.reps, args.context) < 1:
         ap.error("--batch, --rounds, --reps and --context must be positive")
-    name, cfg = load_config(args.config)
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    name, cfg = model_config(args.config, args.smoke)
     if args.smoke:
-        cfg.update(SMOKE, vocab_size=512, num_hidden_layers=4, mtp_num_hidden_layers=0)
-        cfg.pop("layer_types", None)
         args.batch, args.context, args.rounds, args.reps = [2], 24, 2, 2
         args.memory_budget = int(2e8)
     if args.layers:

@@ -240,6 +240,17 @@ def decode_rows(llm: LLM, batch: int, context: int, rng) -> tuple:
     return handles, pages, lengths, release
 
 
+def model_config(config: str, smoke: bool) -> tuple[str, dict]:
+    """``(name, HF config dict)`` of ``config`` (a name in ``benchmarks/configs`` or a path);
+    with ``smoke`` at tiny dims: 4 layers, no MTP head, a 512-token vocabulary."""
+    name, cfg = load_config(config)
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    if smoke:
+        cfg.update(SMOKE, vocab_size=512, num_hidden_layers=4, mtp_num_hidden_layers=0)
+        cfg.pop("layer_types", None)
+    return name, cfg
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.model_step",
@@ -303,11 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
     if min(args.batch + args.tree_sizes) < 1 or min(args.reps, args.context) < 1:
         ap.error("--batch, --tree-sizes, --reps and --context must be positive")
 
-    name, cfg = load_config(args.config)
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    name, cfg = model_config(args.config, args.smoke)
     if args.smoke:
-        cfg.update(SMOKE, vocab_size=512, num_hidden_layers=4, mtp_num_hidden_layers=0)
-        cfg.pop("layer_types", None)
         args.batch, args.context, args.prefill_len = [1, 4], 32, 64
         args.prefill_chunk, args.prefill_prompts, args.reps = 32, 2, 2
         args.tree_sizes, args.verify_batch = [5, 9], 2
