@@ -120,9 +120,19 @@ def test_arena_holds_what_the_pools_hold(target):
     assert len(checked) > 10
 
 
-def _engine_arrays(baseline: dict[int, weakref.ref]) -> list[jax.Array]:
+def _engine_arrays(baseline: dict[int, weakref.ref], llm) -> list[jax.Array]:
+    """The live device arrays made since ``baseline``, less the engine's weights (its fused
+    projections are its own arrays: gdn_jax.models.fuse_projections)."""
     gc.collect()
-    return [a for a in jax.live_arrays() if id(a) not in baseline or baseline[id(a)]() is not a]
+    runners = (llm.engine.runner, llm.engine.draft_runner)
+    weights = {
+        id(x) for r in runners if r is not None for x in jax.tree.leaves(nnx.state(r.model))
+    }
+    return [
+        a
+        for a in jax.live_arrays()
+        if (id(a) not in baseline or baseline[id(a)]() is not a) and id(a) not in weights
+    ]
 
 
 @pytest.mark.parametrize("cache", ["arena", "pools"])
@@ -138,7 +148,7 @@ def test_no_second_copy_and_flat_device_memory(cache, target):
     seen = []
 
     def measure(llm):
-        arrays = _engine_arrays(baseline)
+        arrays = _engine_arrays(baseline, llm)
         seen.append((len(arrays), sum(a.nbytes for a in arrays)))
         if cache == "arena":  # the runner's table is the manager's last upload
             assert {id(a) for a in arrays} <= {id(arena.buffer), id(llm.runner._table)}, [

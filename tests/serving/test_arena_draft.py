@@ -128,7 +128,7 @@ def test_draft_cache_is_no_second_buffer(target, draft):
     seen = []
 
     def measure(llm):
-        arrays = _engine_arrays(baseline)
+        arrays = _engine_arrays(baseline, llm)
         allowed = {id(arena.buffer)} | {id(r._table) for r in runners}
         assert {id(a) for a in arrays} <= allowed, [(a.shape, a.dtype) for a in arrays]
         seen.append(sum(a.nbytes for a in arrays))
