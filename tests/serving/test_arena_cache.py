@@ -125,9 +125,7 @@ def _engine_arrays(baseline: dict[int, weakref.ref], llm) -> list[jax.Array]:
     projections are its own arrays: gdn_jax.models.fuse_projections)."""
     gc.collect()
     runners = (llm.engine.runner, llm.engine.draft_runner)
-    weights = {
-        id(x) for r in runners if r is not None for x in jax.tree.leaves(nnx.state(r.model))
-    }
+    weights = {id(x) for r in runners if r is not None for x in jax.tree.leaves(nnx.state(r.model))}
     return [
         a
         for a in jax.live_arrays()
