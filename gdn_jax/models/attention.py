@@ -28,9 +28,8 @@ class Attention(nnx.Module):
         self.o_proj = Linear(hq * d, h, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.fused_in = nnx.data(
-            None
-        )  # q_proj, k_proj, v_proj as one matmul (gdn_jax.models.fused)
+        # q_proj, k_proj, v_proj as one matmul (gdn_jax.models.fused)
+        self.fused_in = nnx.data(None)
         self.cfg = cfg
         self.scale = d**-0.5
 
