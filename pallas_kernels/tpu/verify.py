@@ -13,8 +13,11 @@ so that the ``[m, m]`` products fill the MXU (``m`` up to :attr:`TpuVerifyBlocks
 The inclusive ancestor mask ``P`` of the stacked systems (block diagonal, one ``[m, m]`` bf16
 block per row group) is computed once per call by XLA and read once per row group. ``K K^T``
 and ``Q K^T`` are one ``[2m, K] x [K, m]`` dot; ``K S0`` and ``Q S0`` one ``[2 Npad, K] x
-[K, s V]`` dot per batch row (the ``s`` heads' states side by side on the lanes). bf16 q / k
-enter their dots raw (exact products); the l2norm and ``scale`` are row scales of the products.
+[K, s V]`` dot per batch row (the ``s`` heads' states side by side on the lanes), or one
+block-diagonal ``[r 2Npad, r K] x [r K, s V]`` dot for all ``r`` rows where ``r K`` fits the
+MXU's width (a 256-wide MXU pads ``K = 128`` to 256 anyway; the default stacking prefers such
+an ``(r, s)``, :meth:`TpuVerifyBlocks.stacking`). bf16 q / k enter their dots raw (exact
+products); the l2norm and ``scale`` are row scales of the products, computed once per row.
 The solve (``TpuVerifyBlocks.inverse``):
 
 - ``"newton"``: ``X ~ (I + A)^-1`` by doubling, ``X = (I - A)(I + A^2)(I + A^4)...`` (two dots
@@ -115,21 +118,33 @@ class TpuVerifyBlocks:
         if self.heads < 0 or self.rows < 0:
             raise ValueError("blocks.heads, blocks.rows: 0 (from mxu_rows) or a divisor")
 
-    def stacking(self, b: int, grp: int, npad: int) -> tuple[int, int]:
+    def stacking(self, b: int, grp: int, npad: int, dk: int = 0, dv: int = 0) -> tuple[int, int]:
         """``(rows, heads)`` stacked per program: ``heads`` divides ``grp = Hv / Hk`` and
-        ``rows`` divides ``B``; by default the most heads, then rows, with ``rows * heads *
-        npad <= mxu_rows`` (at least one of each)."""
-        s = self.heads or _largest_divisor(grp, max(1, self.mxu_rows // npad))
-        r = self.rows or _largest_divisor(b, max(1, self.mxu_rows // (s * npad)))
-        if grp % s:
-            raise ValueError(f"blocks.heads: {s} must divide Hv / Hk = {grp}")
-        if b % r:
-            raise ValueError(f"blocks.rows: {r} must divide B = {b}")
-        return r, s
+        ``rows`` divides ``B``. By default the most systems ``rows * heads`` with ``rows *
+        heads * npad <= mxu_rows`` (at least one); among those, one whose state product fits
+        one MXU tile (``rows * dk`` and ``heads * dv`` at most ``mxu_rows``: a single
+        block-diagonal dot, ``_state_products``), then the most heads."""
+        if self.heads and grp % self.heads:
+            raise ValueError(f"blocks.heads: {self.heads} must divide Hv / Hk = {grp}")
+        if self.rows and b % self.rows:
+            raise ValueError(f"blocks.rows: {self.rows} must divide B = {b}")
+        heads = [self.heads] if self.heads else _divisors(grp)
+        rows = [self.rows] if self.rows else _divisors(b)
+        least = (rows[0], heads[0])
+        options = [
+            (r, s) for r in rows for s in heads if r * s * npad <= self.mxu_rows or (r, s) == least
+        ]
+
+        def rank(rs):
+            r, s = rs
+            tile = r * dk <= self.mxu_rows and s * dv <= self.mxu_rows
+            return r * s, tile, s
+
+        return max(options, key=rank)
 
 
-def _largest_divisor(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 DEFAULT_TPU_VERIFY_BLOCKS = TpuVerifyBlocks()
@@ -143,12 +158,12 @@ def solve(a, rhs, steps, blocks: TpuVerifyBlocks) -> jax.Array:
     if blocks.inverse == "newton":
         eye = jnp.where(eye_mask(m), 1.0, 0.0).astype(F32)
 
-        def double(_, xp):  # X <- X (I + P), P <- P^2: (I - A)(I + A^2)(I + A^4)...
-            x, p = xp
-            p = dot(p, p, inv_p)
-            return x + dot(x, p, inv_p), p
+        def double(_, xp):  # P <- P^2, X <- X (I + P): (I - A)(I + A^2)(I + A^4)...
+            x, sp = xp  # P as its bf16 pieces, split once for the three dots that read it
+            sp = split(dot(sp, sp, inv_p), inv_p)
+            return x + dot(x, sp, inv_p), sp
 
-        x, _ = jax.lax.fori_loop(0, jnp.maximum(steps - 1, 0), double, (eye - a, a))
+        x, _ = jax.lax.fori_loop(0, jnp.maximum(steps - 1, 0), double, (eye - a, split(a, inv_p)))
         # The last doubling as a Newton-Schulz step, X <- X + X (I - (I + A) X), which also
         # squares away the rounding the earlier products left.
         sx = split(x, inv_p)
@@ -168,9 +183,33 @@ def solve(a, rhs, steps, blocks: TpuVerifyBlocks) -> jax.Array:
     if blocks.refine_steps:
         sa = split(a, blocks.precision)
         for _ in range(blocks.refine_steps):
-            r = rhs - u - dot(sa, u, blocks.precision)
+            r = rhs - u - dot(sa, u, blocks.precision, mxu=blocks.mxu_rows)
             u = u + dot(sx, r, inv_p)
     return u
+
+
+def _state_products(q, k, s0, blocks: TpuVerifyBlocks) -> list[jax.Array]:
+    """``[k_i; q_i] S0_i`` of each stacked row ``i``, f32 ``(2 Npad, s V)`` (the ``s`` heads'
+    states side by side): one dot per row, or, where ``r K`` fits the MXU's width
+    (``mxu_rows``), one block-diagonal dot ``[r 2Npad, r K] x [r K, s V]`` for all rows: an MXU
+    wider than ``K`` pads each row's contraction to its width, so the ``r`` rows cost as one."""
+    r, npad, dk = k.shape
+    kq = [jnp.concatenate([k[i], q[i]], axis=0) for i in range(r)]
+    states = [jnp.concatenate(list(s0[i]), axis=1) for i in range(r)]
+    if r == 1 or r * dk > blocks.mxu_rows:
+        return [dot(kq[i], states[i], blocks.precision) for i in range(r)]
+    zero = jnp.zeros_like(kq[0])
+    lhs = jnp.concatenate(
+        [jnp.concatenate([kq[i] if j == i else zero for j in range(r)], axis=1) for i in range(r)],
+        axis=0,
+    )
+    p = dot(lhs, jnp.concatenate(states, axis=0), blocks.precision)
+    return [p[2 * npad * i : 2 * npad * (i + 1)] for i in range(r)]
+
+
+def _stacked_scales(cols: list[jax.Array], s: int) -> jax.Array:
+    """Each row's ``(Npad, 1)`` scales repeated for its ``s`` stacked heads: ``(m, 1)``."""
+    return jnp.concatenate([c for c in cols for _ in range(s)], axis=0)
 
 
 def wy_math(q, k, v, g_row, beta, incl, s0, steps, *, npad, scale, use_l2norm, blocks):
@@ -184,8 +223,8 @@ def wy_math(q, k, v, g_row, beta, incl, s0, steps, *, npad, scale, use_l2norm, b
     prec = blocks.precision
     kst = jnp.concatenate([k[i] for i in range(r) for _ in range(s)], axis=0)  # (m, K)
     qst = jnp.concatenate([q[i] for i in range(r) for _ in range(s)], axis=0)
-    rk = row_scales(kst, use_l2norm)
-    rq = row_scales(qst, use_l2norm, scale)
+    rk = _stacked_scales([row_scales(k[i], use_l2norm) for i in range(r)], s)
+    rq = _stacked_scales([row_scales(q[i], use_l2norm, scale) for i in range(r)], s)
     prods = dot(jnp.concatenate([kst, qst], axis=0), kst, prec, trans_b=True)  # (2m, m)
 
     g_path = jnp.sum(jnp.where(incl, g_row, 0.0), axis=1, keepdims=True)  # (m, 1)
@@ -196,9 +235,7 @@ def wy_math(q, k, v, g_row, beta, incl, s0, steps, *, npad, scale, use_l2norm, b
     att = prods[m:] * dk * rq  # (Q K^T) * D
 
     ks, qs = [], []
-    for i in range(r):
-        states = jnp.concatenate([s0[i, j] for j in range(s)], axis=1) if s > 1 else s0[i, 0]
-        p = dot(jnp.concatenate([k[i], q[i]], axis=0), states, prec)  # (2 Npad, s V)
+    for p in _state_products(q, k, s0, blocks):  # (2 Npad, s V) per row
         for j in range(s):
             ks.append(p[:npad, j * dv : (j + 1) * dv])
             qs.append(p[npad:, j * dv : (j + 1) * dv])
@@ -207,7 +244,7 @@ def wy_math(q, k, v, g_row, beta, incl, s0, steps, *, npad, scale, use_l2norm, b
     eg = jnp.exp(g_path)
     rhs = beta * (v.reshape(m, dv).astype(F32) - (eg * rk) * ks)
     u = solve(a, rhs, steps, blocks)
-    o = (eg * rq) * qs + dot(att, u, prec)
+    o = (eg * rq) * qs + dot(att, u, prec, mxu=blocks.mxu_rows)
     return o, u, g_path, rk
 
 
@@ -277,7 +314,7 @@ def prepare_verify(q, k, v, g, beta, parents, *, scale, blocks: TpuVerifyBlocks)
     check_dims(q, k, v, hk=hk, hv=hv, dk=dk, dv=dv)
     npad = next_pow2(n, 16)
     grp = hv // hk
-    r, s = blocks.stacking(b, grp, npad)
+    r, s = blocks.stacking(b, grp, npad, dk, dv)
     q, k, v, g, beta = (pad_axis(x, 1, npad) for x in (q, k, v, g, beta))
     parents = pad_axis(parents.astype(jnp.int32), 1, npad, value=-2)
     m = r * s * npad

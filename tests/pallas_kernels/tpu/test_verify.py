@@ -57,6 +57,34 @@ def test_random_trees(kinds, seed):
     )
 
 
+def test_wide_mxu():
+    """On a 256-wide MXU (v6e): the rows' state products as one block-diagonal dot, the f32
+    dots against ``V = 128`` columns in two passes; the same values as the 128-wide schedule."""
+    wide = tpu.TpuVerifyBlocks(mxu_rows=256)
+    inputs, got, _ = verify(TREE, 1, 2, 16, 128, np.float32, blocks=wide)
+    par = jnp.asarray(TREE)
+    want = tpu.tree_verify(*inputs[:5], par, inputs[5], use_qk_l2norm=True, interpret=True)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "mxu_rows, b, grp, npad, heads, want",
+    [
+        (256, 16, 4, 64, 0, (2, 2)),  # 397B on v6e: the state product fits one tile
+        (256, 16, 2, 64, 0, (2, 2)),  # 35B on v6e
+        (128, 16, 2, 64, 0, (1, 2)),  # 35B on v5e: no stacking fits a tile; most heads
+        (128, 1, 2, 64, 0, (1, 2)),
+        (128, 16, 4, 128, 0, (1, 1)),  # N 128: one system a program
+        (128, 16, 2, 64, 1, (2, 1)),  # heads given, rows fill the MXU
+        (128, 16, 3, 16, 0, (8, 1)),  # more systems beat more heads
+    ],
+)
+def test_stacking(mxu_rows, b, grp, npad, heads, want):
+    blocks = tpu.TpuVerifyBlocks(mxu_rows=mxu_rows, heads=heads)
+    assert blocks.stacking(b, grp, npad, 128, 128) == want
+
+
 def test_128_node_chain_blocked():
     """A 128-node chain (the deepest tree: every inverse step) with blocked forward
     substitution, and a 128-node random tree with the default Newton-Schulz solve."""
