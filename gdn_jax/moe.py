@@ -138,6 +138,7 @@ def route_topk(
     normalize: bool = True,
     dtype=jnp.float32,
     impl: str = "auto",
+    num_experts: int | None = None,
 ) -> tuple[Float[Array, "M k"], Int[Array, "M k"]]:
     """The router's choice: ``(weights [M, k] in dtype, expert ids int32 [M, k])``, the ``k``
     largest logits of each row (ties to the lower expert id, as ``lax.top_k``) weighted by
@@ -147,16 +148,26 @@ def route_topk(
 
     ``impl="pallas"``: one GPU kernel (:mod:`pallas_kernels.moe.route`; interpret mode off
     GPU) where XLA runs a sort, a slice and a softmax; ``"auto"``
-    takes it on a GPU where it fits."""
+    takes it on a GPU where it fits.
+
+    ``num_experts``: the logits are the first ``E`` columns of a wider ``[M, >= E]`` array
+    (a fused projection's output: the kernel reads them in place, no copy of the slice)."""
     (logits,) = as_arrays(logits)
     if logits.ndim != 2:
         raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
-    if not isinstance(k, int) or not 1 <= k <= logits.shape[1]:
-        raise ValueError(f"k: must be an int in [1, E = {logits.shape[1]}], got {k!r}")
+    e = logits.shape[1] if num_experts is None else num_experts
+    if not isinstance(e, int) or not 1 <= e <= logits.shape[1]:
+        raise ValueError(
+            f"num_experts: must be an int in [1, {logits.shape[1]}] (logits' columns), got {e!r}"
+        )
+    if not isinstance(k, int) or not 1 <= k <= e:
+        raise ValueError(f"k: must be an int in [1, E = {e}], got {k!r}")
     path = resolve_impl(impl, "route_topk", logits, k)
     if path != "xla":
-        return pallas_op("route_topk", path)(logits, k, normalize=normalize, dtype=dtype)
-    return _route_xla(logits, k, normalize, jnp.dtype(dtype))
+        return pallas_op("route_topk", path)(
+            logits, k, normalize=normalize, dtype=dtype, num_experts=num_experts
+        )
+    return _route_xla(logits[:, :e], k, normalize, jnp.dtype(dtype))
 
 
 def balanced_route(

@@ -208,11 +208,14 @@ def _moe_auto(x, weights, experts, gate_proj, up_proj, down_proj) -> bool:
     return True
 
 
-def route_topk(logits, k, *, normalize=True, dtype=jnp.float32):
+def route_topk(logits, k, *, normalize=True, dtype=jnp.float32, num_experts=None):
     """The router's top-k in one kernel (:func:`pallas_kernels.moe.route.route_topk`)."""
     from pallas_kernels.moe.route import route_topk as kernel
 
-    return kernel(logits, k, normalize=normalize, dtype=jnp.dtype(dtype), interpret=_interpret())
+    return kernel(
+        logits, k, normalize=normalize, dtype=jnp.dtype(dtype), num_experts=num_experts,
+        interpret=_interpret(),
+    )  # fmt: skip
 
 
 def _route_auto(logits, k) -> bool:

@@ -298,7 +298,9 @@ class ArenaCache:
 
         rule = self._plain_step_rule(gi, recurrent_step)
 
-        def step_mixed(cache, mixed, a, b, a_log, dt_bias, *, num_tokens, use_qk_l2norm):
+        def step_mixed(
+            cache, mixed, a, b, a_log, dt_bias, *, num_tokens, use_qk_l2norm, a_col=0, b_col=0
+        ):
             # the step on the layer's raw inputs in ``cache``'s arena: the kernel splits the
             # conv's channels and forms the gates itself (two XLA kernels fewer per layer)
             hv, dk, dv = self.spec.state_shape
@@ -314,6 +316,8 @@ class ArenaCache:
                 use_qk_l2norm=use_qk_l2norm,
                 zero_state=cache.lengths <= 0,
                 live=None if num_tokens is None else num_tokens > 0,
+                a_col=a_col,
+                b_col=b_col,
             )
             return o[:, None], dataclasses.replace(cache, buffer=buf)
 
@@ -329,8 +333,12 @@ class ArenaCache:
                 use_qk_l2norm=use_qk_l2norm,
             )
 
-        def conv(qkv, weight, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool):
-            # the conv too: its window read, updated and written in place by one kernel
+        def conv(
+            qkv, weight, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool, cols=None
+        ):
+            # the conv too: its window read, updated and written in place by one kernel;
+            # ``cols = (qkv, a, b)``: the columns where each starts in its (fused) array
+            qkv_col, a_col, b_col = cols or (0, 0, 0)
             sp, args = self.spec, self._gdn_kernel_args(gi, fresh=False)
             y, buf = conv_step(
                 qkv[:, 0],
@@ -342,12 +350,13 @@ class ArenaCache:
                 state_dtype=sp.conv_dtype,
                 zero_state=self.lengths <= 0,
                 live=None if num_tokens is None else num_tokens > 0,
+                x_col=qkv_col,
                 interpret=args["interpret"],
             )
             after = dataclasses.replace(self, buffer=buf)
             return step_mixed(
                 after, y[:, None], a, b, a_log, dt_bias, num_tokens=num_tokens,
-                use_qk_l2norm=use_qk_l2norm,
+                use_qk_l2norm=use_qk_l2norm, a_col=a_col, b_col=b_col,
             )  # fmt: skip
 
         rule.raw = raw

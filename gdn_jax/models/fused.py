@@ -39,10 +39,21 @@ class FusedLinear(nnx.Module):
         self.sizes = tuple(int(w.shape[0]) for w in weights)
         self.weight = nnx.Param(jnp.concatenate(weights, axis=0))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+    @property
+    def columns(self) -> tuple[int, ...]:
+        """The column where each part's outputs start in :meth:`matmul`'s output."""
+        return tuple(int(c) for c in np.cumsum((0, *self.sizes[:-1])))
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """``x W^T``, the parts' outputs side by side ``[..., sum(out_i)]`` (a kernel that
+        reads its columns in place needs no copy of a slice)."""
         w = self.weight[...]
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, precision=matmul_precision(w.dtype))
-        return tuple(jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1))
+        return jnp.einsum(
+            "...i,oi->...o", x.astype(w.dtype), w, precision=matmul_precision(w.dtype)
+        )
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(jnp.split(self.matmul(x), self.columns[1:], axis=-1))
 
 
 def _fuse(module: nnx.Module, names: list[str], owners: list[nnx.Module] | None = None) -> None:

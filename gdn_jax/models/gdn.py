@@ -129,9 +129,29 @@ class GatedDeltaNet(nnx.Module):
         projections, :meth:`gate_inputs`), so no separate kernel splits the channels or forms
         the gates; used when the channels are one ``[q | k | v]`` block (no tensor-parallel
         groups). A rule with a ``conv`` attribute also owns the conv state (``rule.conv(qkv,
-        conv_weight, a, b, A_log, dt_bias, *, num_tokens, use_qk_l2norm)`` on the pre-conv
-        channels): ``conv_state`` is then unused and the second output is ``None``.
+        conv_weight, a, b, A_log, dt_bias, *, num_tokens, use_qk_l2norm, cols)`` on the
+        pre-conv channels; a fused layer passes its whole projection output as ``qkv``, ``a``
+        and ``b``, with ``cols`` the columns where each starts): ``conv_state`` is then unused
+        and the second output is ``None``.
         """
+        if self.takes_conv(rule) and self.fused_in is not None:
+            # the rule's kernels read q, k, v and the gates' columns of the fused projection
+            # in place: no copies of its slices
+            proj = self.fused_in.matmul(x)
+            qkv_col, z_col, b_col, a_col = self.fused_in.columns
+            o, result = rule.conv(
+                proj,
+                self.conv_weight[...],
+                proj,
+                proj,
+                self.A_log[...],
+                self.dt_bias[...],
+                num_tokens=num_tokens,
+                use_qk_l2norm=True,
+                cols=(qkv_col, a_col, b_col),
+            )
+            z = proj[..., z_col:b_col].reshape(*x.shape[:2], self.cfg.linear_num_value_heads, -1)
+            return self.finish(o, z), None, result
         qkv, z, g, beta, a, b_ = self.project(x, raw=True)
         b, t = x.shape[:2]
         if self.takes_conv(rule):  # the rule runs the conv too

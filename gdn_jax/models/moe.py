@@ -12,6 +12,7 @@ token-expert pairs sorted by expert on the XLA path, the Pallas kernels of
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.models.linear import Linear, normal_init
@@ -53,12 +54,15 @@ class SparseMoE(nnx.Module):
 
     def route(self, x: jax.Array, raw: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(weights [M, k] in x's dtype, expert ids int32 [M, k])`` for ``x: [M, H]``
-        (:func:`gdn_jax.moe.route_topk` on the router's logits ``raw``, default ``gate(x)``,
+        (:func:`gdn_jax.moe.route_topk` on the router's logits ``raw``, default ``gate(x)``;
+        ``raw`` may be wider, the router's ``E`` columns first, as a fused projection's output,
         in ``impl``: with ``norm_topk_prob`` the softmax of the top-k logits, never the full
         softmax)."""
         if raw is None:
-            raw = self.gate(x) if self.fused_in is None else self.fused_in(x)[0]
+            raw = self.gate(x) if self.fused_in is None else self.fused_in.matmul(x)
+        e = self.num_experts  # ``raw`` may be the fused projection: the router's columns first
         if self.routing == "balanced":
+            raw = raw[:, :e]
             return balanced_route(raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype)
         return route_topk(
             raw,
@@ -66,6 +70,7 @@ class SparseMoE(nnx.Module):
             normalize=self.norm_topk_prob,
             dtype=raw.dtype,
             impl="auto" if self.impl == "pallas_tpu" else self.impl,  # no TPU router kernel
+            num_experts=e,
         )
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -78,8 +83,9 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.fused_in is not None:
-            raw, gate, up, shared_gate = self.fused_in(x2)
-            weights, experts = self.route(x2, raw)
+            proj = self.fused_in.matmul(x2)
+            _, gate, up, shared_gate = jnp.split(proj, self.fused_in.columns[1:], axis=-1)
+            weights, experts = self.route(x2, proj)  # the router reads its columns in place
             out = self.routed(x2, weights, experts)
             shared = self.shared_expert.down_proj(jax.nn.silu(gate) * up)
             shared = jax.nn.sigmoid(shared_gate) * shared

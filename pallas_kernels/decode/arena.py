@@ -190,6 +190,8 @@ def recurrent_step_mixed(
     use_qk_l2norm: bool = False,
     zero_state=None,
     live=None,
+    a_col: int = 0,
+    b_col: int = 0,
     block_v: int = 64,
     num_warps: int = 4,
     interpret: bool = False,
@@ -200,20 +202,25 @@ def recurrent_step_mixed(
     v slices of ``mixed`` and forms ``g, beta`` itself (:func:`step_gates`), so no XLA kernel
     splits the channels or computes the gates. ``live`` (optional ``bool [B]``): rows whose
     token is padding (``False``) leave their state unchanged (``g = beta = 0``, as the
-    model's ``num_tokens`` masking), their output the unchanged state's readout.
+    model's ``num_tokens`` masking), their output the unchanged state's readout. ``a`` and
+    ``b`` may be wider arrays (any float dtype, read as f32) whose ``Hv`` columns start at
+    ``a_col`` and ``b_col``: both can be a fused input projection's output, read in place.
 
     Returns ``(o [B, Hv, V] in mixed's dtype, arena)``."""
     if mixed.ndim != 2:
         raise ValueError(f"mixed: expected [B, C], got shape {mixed.shape}")
     bsz, c = mixed.shape
-    if a.ndim != 2 or a.shape[0] != bsz:
-        raise ValueError(f"a: expected [B={bsz}, Hv], got shape {a.shape}")
-    hv, hk, dk = a.shape[1], num_k_heads, head_k_dim
-    if b.shape != a.shape:
-        raise ValueError(f"b: expected a's shape {a.shape}, got {b.shape}")
-    for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
-        if x.shape != (hv,):
-            raise ValueError(f"{name}: expected shape [Hv] = ({hv},), got {x.shape}")
+    if dt_bias.ndim != 1:
+        raise ValueError(f"dt_bias: expected [Hv], got shape {dt_bias.shape}")
+    hv, hk, dk = dt_bias.shape[0], num_k_heads, head_k_dim
+    if a_log.shape != (hv,):
+        raise ValueError(f"a_log: expected shape [Hv] = ({hv},), got {a_log.shape}")
+    for name, x, col in (("a", a, a_col), ("b", b, b_col)):
+        if x.ndim != 2 or x.shape[0] != bsz or col < 0 or col + hv > x.shape[1]:
+            raise ValueError(
+                f"{name}: expected [B={bsz}, >= {name}_col + Hv = {col} + {hv}], got shape "
+                f"{x.shape}"
+            )
     if hk < 1 or (c - 2 * hk * dk) <= 0 or (c - 2 * hk * dk) % hv:
         raise ValueError(
             f"mixed: {c} channels are not 2 * Hk * K + Hv * V with Hk = {hk}, K = {dk}, Hv = {hv}"
@@ -237,7 +244,8 @@ def recurrent_step_mixed(
         i, h = pl.program_id(0), pl.program_id(1)
         ok, seg, idx = tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
         s = load_state(ar_ref, (ok & (zs_ref[i] == 0), seg, idx))  # [K, bv] f32
-        g, beta = step_gates(a_ref[i, h], b_ref[i, h], al_ref[h], dt_ref[h])
+        ai, bi = a_ref[i, a_col + h].astype(F32), b_ref[i, b_col + h].astype(F32)
+        g, beta = step_gates(ai, bi, al_ref[h], dt_ref[h])
         on = lv_ref[i] != 0
         g, beta = jnp.where(on, g, 0.0), jnp.where(on, beta, 0.0)
         qv = prep_rows(q_ref[...], use_qk_l2norm, scale)  # [K]
@@ -267,8 +275,8 @@ def recurrent_step_mixed(
         mixed,
         mixed,
         mixed,
-        a.astype(F32),
-        b.astype(F32),
+        a,
+        b,
         a_log.astype(F32),
         dt_bias.astype(F32),
         live,

@@ -48,6 +48,7 @@ def conv_step(
     state_dtype,
     zero_state=None,
     live=None,
+    x_col: int = 0,
     block_c: int = 256,
     num_warps: int = 4,
     interpret: bool = False,
@@ -55,12 +56,15 @@ def conv_step(
     """``(y [B, C] in x's dtype, arena)``: the conv of one token per row (module docstring).
 
     Args:
-      x: ``[B, C]`` pre-conv inputs (the state's dtype). weight: ``[C, W]``.
+      x: ``[B, C]`` pre-conv inputs (the state's dtype), or a wider ``[B, >= x_col + C]``
+        array whose columns ``[x_col, x_col + C)`` they are (a fused input projection's output:
+        no copy of the slice). weight: ``[C, W]``, which sets ``C``.
       arena: ``uint32 [segments, words]`` (aliased to the second output: donate it).
       table, handles: the handle table ``int [handles, 2]`` and ``int [B]`` handles.
       conv_offset: words from a unit's start to this layer's conv state.
       state_dtype: the stored state's dtype: ``bfloat16`` or ``float32``.
       zero_state, live: optional ``bool [B]`` (module docstring).
+      x_col: the column of ``x`` where the ``C`` channels start.
       block_c: channels per program (a power of two dividing ``C``; two or more in bfloat16).
     """
     state_dtype = jnp.dtype(state_dtype)
@@ -70,9 +74,13 @@ def conv_step(
         raise ValueError(f"x: expected [B, C], got shape {x.shape}")
     if x.dtype != state_dtype:
         raise ValueError(f"x: must have the state's dtype {state_dtype}, got {x.dtype}")
-    b, c = x.shape
-    if weight.ndim != 2 or weight.shape[0] != c or weight.shape[1] < 2:
-        raise ValueError(f"weight: expected [C={c}, W >= 2], got shape {weight.shape}")
+    if weight.ndim != 2 or weight.shape[1] < 2:
+        raise ValueError(f"weight: expected [C, W >= 2], got shape {weight.shape}")
+    b, c = x.shape[0], weight.shape[0]
+    if x_col < 0 or x_col + c > x.shape[1]:
+        raise ValueError(
+            f"x_col: the C = {c} channels from column {x_col} must fit x's {x.shape[1]} columns"
+        )
     w = weight.shape[1]
     packed = state_dtype.itemsize == 2
     bc = min(block_c, c)
@@ -116,7 +124,7 @@ def conv_step(
             states = ([jax.lax.bitcast_convert_type(wd, F32) for wd in words],)
         xs = []
         for ch, st in zip(chans, states, strict=True):
-            xc = x_ref[i, ch].astype(F32)
+            xc = x_ref[i, x_col + ch].astype(F32)
             acc = xc * w_ref[ch * w + (w - 1)].astype(F32)
             for t in range(w - 1):
                 acc = acc + st[t] * w_ref[ch * w + t].astype(F32)

@@ -23,23 +23,36 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._wy import F32, next_pow2
 
 
-def check_route(logits, k: int) -> tuple[int, int]:
+def check_route(logits, k: int, num_experts: int | None = None) -> tuple[int, int]:
     """``(M, E)``; ``ValueError`` for inputs the kernel cannot take."""
     if logits.ndim != 2:
         raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise ValueError(f"logits: must be floating point, got {logits.dtype}")
-    m, e = logits.shape
+    m, e = logits.shape[0], num_experts or logits.shape[1]
+    if not 1 <= e <= logits.shape[1]:
+        raise ValueError(
+            f"num_experts: must be in [1, {logits.shape[1]}] (logits' columns), got {e}"
+        )
     if not 1 <= k <= e:
         raise ValueError(f"k: must be in [1, E = {e}], got {k}")
     return m, e
 
 
-@functools.partial(jax.jit, static_argnames=("k", "normalize", "dtype", "interpret"))
-def route_topk(logits, k: int, *, normalize: bool = True, dtype=F32, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("k", "normalize", "dtype", "num_experts", "interpret"))
+def route_topk(
+    logits,
+    k: int,
+    *,
+    normalize: bool = True,
+    dtype=F32,
+    num_experts: int | None = None,
+    interpret: bool = False,
+):
     """``(weights [M, k] in dtype (formed in f32), ids int32 [M, k])`` of the ``k`` largest
-    logits per row (module docstring)."""
-    m, e = check_route(logits, k)
+    logits per row (module docstring); with ``num_experts`` the logits are the first ``E``
+    columns of a wider ``[M, >= E]`` array (a fused projection's output, read in place)."""
+    m, e = check_route(logits, k, num_experts)
     kp, ep = next_pow2(k, 1), next_pow2(e, 1)
 
     def kernel(l_ref, w_ref, i_ref):

@@ -264,15 +264,28 @@ def test_route_topk_nan_logits_keep_ids_in_range():
     np.testing.assert_allclose(w_p[2], w_x[2], rtol=2e-6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_route_topk_reads_the_first_columns(impl):
+    """``num_experts``: the router's logits as the first ``E`` columns of a wider array (a
+    fused projection's output) route as the sliced logits do, bit for bit."""
+    wide = jnp.asarray(np.random.default_rng(9).standard_normal((3, 48 + 21)), jnp.bfloat16)
+    w1, i1 = route_topk(wide[:, :48], 6, impl=impl)
+    w2, i2 = route_topk(wide, 6, impl=impl, num_experts=48)
+    np.testing.assert_array_equal(i2, i1)
+    np.testing.assert_array_equal(w2, w1)
+
+
 @pytest.mark.parametrize(
-    "args, name",
-    [((np.zeros(8, np.float32), 2), "logits"), ((np.zeros((2, 8), np.float32), 9), "k"),
-     ((np.zeros((2, 8), np.float32), 0), "k")],
+    "args, kw, name",
+    [((np.zeros(8, np.float32), 2), {}, "logits"), ((np.zeros((2, 8), np.float32), 9), {}, "k"),
+     ((np.zeros((2, 8), np.float32), 0), {}, "k"),
+     ((np.zeros((2, 8), np.float32), 2), {"num_experts": 9}, "num_experts"),
+     ((np.zeros((2, 8), np.float32), 5), {"num_experts": 4}, "k")],
 )  # fmt: skip
-def test_route_topk_bad_inputs_raise(args, name):
+def test_route_topk_bad_inputs_raise(args, kw, name):
     for impl in ("xla", "pallas"):
         with pytest.raises(ValueError, match=f"^{name}"):
-            route_topk(*args, impl=impl)
+            route_topk(*args, impl=impl, **kw)
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -91,13 +91,38 @@ def test_conv_step_matches_causal_conv(dtype, c, w, block_c):
     np.testing.assert_array_equal(np.asarray(new)[other], arena0[other])
 
 
+def test_conv_step_reads_columns_in_place():
+    """The channels read at ``x_col`` of a wider array (a fused projection's output) give the
+    kernel on the sliced channels bit for bit, outputs and arena."""
+    rng = np.random.default_rng(5)
+    b, c, w = len(HANDLES), 64, 4
+    wide = jnp.asarray(rng.standard_normal((b, 3 + c + 5)), jnp.bfloat16)
+    weight = jnp.asarray(rng.standard_normal((c, w)) * 0.5, jnp.bfloat16)
+    arena0 = _place(
+        rng.integers(0, 2**32, (SEGMENTS, WORDS), dtype=np.uint32),
+        jnp.asarray(rng.standard_normal((b, w - 1, c)), jnp.bfloat16),
+        jnp.bfloat16,
+    )
+    call = functools.partial(
+        conv_step, conv_offset=OFFSET, state_dtype=jnp.bfloat16, block_c=16, interpret=True
+    )
+    addr = (jnp.asarray(TABLE), jnp.asarray(HANDLES))
+    y1, new1 = call(wide[:, 3 : 3 + c], weight, jnp.asarray(arena0), *addr)
+    y2, new2 = call(wide, weight, jnp.asarray(arena0), *addr, x_col=3)
+    np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(y1, np.float32))
+    np.testing.assert_array_equal(np.asarray(new2), np.asarray(new1))
+    with pytest.raises(ValueError, match="^x_col"):
+        call(wide, weight, jnp.asarray(arena0), *addr, x_col=9)
+
+
 @pytest.mark.parametrize(
     "name, kw",
     [
         ("state_dtype", dict(state_dtype=jnp.float16)),
         ("x", dict(x=jnp.zeros((5, 64), jnp.float32))),
         ("x", dict(x=jnp.zeros((5, 1, 64), jnp.bfloat16))),
-        ("weight", dict(weight=jnp.zeros((32, 4), jnp.bfloat16))),
+        ("weight", dict(weight=jnp.zeros((32, 1), jnp.bfloat16))),
+        ("x_col", dict(weight=jnp.zeros((128, 4), jnp.bfloat16))),
         ("block_c", dict(block_c=24)),
         ("conv_offset", dict(conv_offset=WORDS)),
         ("handles", dict(handles=jnp.zeros((2,), jnp.int32))),

@@ -305,6 +305,32 @@ def test_step_mixed_equals_split_step():
     np.testing.assert_array_equal(np.asarray(new2)[other], np.asarray(new1)[other])
 
 
+def test_step_mixed_reads_columns_in_place():
+    """``a`` and ``b`` read at ``a_col`` / ``b_col`` of one wider bf16 array (a fused
+    projection's output) give the kernel on the separate f32 columns bit for bit."""
+    rng = np.random.default_rng(41)
+    hk, hv = 2, 4
+    b = len(STEP_HANDLES)
+    (mixed, a, bb, a_log, dt_bias), _ = _mixed_inputs(rng, b, hk, hv, np.float32)
+    a, bb = a.astype(jnp.bfloat16), bb.astype(jnp.bfloat16)
+    wide = jnp.concatenate([jnp.ones((b, 3), jnp.bfloat16), bb, a, jnp.ones((b, 2), a.dtype)], 1)
+    arena = _arena(rng, rng.standard_normal((b, hv, K, V)).astype(np.float32), STEP_HANDLES)
+    call = functools.partial(
+        recurrent_step_mixed, num_k_heads=hk, head_k_dim=K, use_qk_l2norm=True, **_KERNEL
+    )
+    f32 = jnp.float32
+    o1, new1 = call(
+        mixed, a.astype(f32), bb.astype(f32), a_log, dt_bias, *_addr(arena, STEP_HANDLES)
+    )
+    o2, new2 = call(
+        mixed, wide, wide, a_log, dt_bias, *_addr(arena, STEP_HANDLES), a_col=3 + hv, b_col=3
+    )
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o1))
+    np.testing.assert_array_equal(np.asarray(new2), np.asarray(new1))
+    with pytest.raises(ValueError, match="^a:"):
+        call(mixed, wide, wide, a_log, dt_bias, *_addr(arena, STEP_HANDLES), a_col=6 + hv)
+
+
 @pytest.mark.parametrize(
     "name, change",
     [
