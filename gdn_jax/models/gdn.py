@@ -134,27 +134,20 @@ class GatedDeltaNet(nnx.Module):
         and ``b``, with ``cols`` the columns where each starts): ``conv_state`` is then unused
         and the second output is ``None``.
         """
-        if self.takes_conv(rule) and self.fused_in is not None:
-            # the rule's kernels read q, k, v and the gates' columns of the fused projection
-            # in place: no copies of its slices
-            proj = self.fused_in.matmul(x)
-            qkv_col, z_col, b_col, a_col = self.fused_in.columns
-            o, result = rule.conv(
-                proj,
-                self.conv_weight[...],
-                proj,
-                proj,
-                self.A_log[...],
-                self.dt_bias[...],
-                num_tokens=num_tokens,
-                use_qk_l2norm=True,
-                cols=(qkv_col, a_col, b_col),
-            )
-            z = proj[..., z_col:b_col].reshape(*x.shape[:2], self.cfg.linear_num_value_heads, -1)
-            return self.finish(o, z), None, result
-        qkv, z, g, beta, a, b_ = self.project(x, raw=True)
-        b, t = x.shape[:2]
         if self.takes_conv(rule):  # the rule runs the conv too
+            if self.fused_in is not None:
+                # its kernels read q, k, v and the gates' columns of the fused projection in
+                # place: no copies of its slices
+                proj = self.fused_in.matmul(x)
+                qkv_col, z_col, b_col, a_col = self.fused_in.columns
+                qkv = a = b_ = proj
+                z = proj[..., z_col:b_col].reshape(
+                    *x.shape[:2], self.cfg.linear_num_value_heads, -1
+                )
+                cols = (qkv_col, a_col, b_col)
+            else:
+                qkv, z, _, _, a, b_ = self.project(x, raw=True)
+                cols = None
             o, result = rule.conv(
                 qkv,
                 self.conv_weight[...],
@@ -164,8 +157,11 @@ class GatedDeltaNet(nnx.Module):
                 self.dt_bias[...],
                 num_tokens=num_tokens,
                 use_qk_l2norm=True,
+                cols=cols,
             )
             return self.finish(o, z), None, result
+        qkv, z, g, beta, a, b_ = self.project(x, raw=True)
+        b, t = x.shape[:2]
         if conv_state is None:
             conv_state = jnp.zeros((b, self.cfg.linear_conv_kernel_dim - 1, qkv.shape[-1]), x.dtype)
         mixed, new_conv = causal_conv1d(qkv, self.conv_weight[...], conv_state)

@@ -90,6 +90,16 @@ def test_verify_commit_pallas_equals_xla(llms, target):
     mm.free(rows[1])
 
 
+def test_unfused_decode_kernels_same_tokens(llms, target):
+    """The decode kernels on separate projections (``fuse_projections=False``: the conv and
+    step kernels take their own q, k, v and gate arrays) give the tokens of the fused engine,
+    whose kernels read those columns of one projection output in place."""
+    ps, params = prompts(2, seed=5), SamplingParams(max_tokens=6)
+    unfused = LLM(target, kernels="pallas", fuse_projections=False, **GEOM)
+    want = [o.token_ids for o in llms["pallas"].generate(ps, params)]
+    assert [o.token_ids for o in unfused.generate(ps, params)] == want
+
+
 @pytest.mark.parametrize("path", ["device", "host"])
 def test_greedy_tree_speculation_same_tokens(llms, path):
     """The kernels give the xla path's tokens, with speculation in one device program per step
