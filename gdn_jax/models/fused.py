@@ -52,8 +52,12 @@ class FusedLinear(nnx.Module):
             "...i,oi->...o", x.astype(w.dtype), w, precision=matmul_precision(w.dtype)
         )
 
+    def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        """:meth:`matmul`'s output split into the parts' outputs."""
+        return tuple(jnp.split(y, self.columns[1:], axis=-1))
+
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        return tuple(jnp.split(self.matmul(x), self.columns[1:], axis=-1))
+        return self.split(self.matmul(x))
 
 
 def _fuse(module: nnx.Module, names: list[str], owners: list[nnx.Module] | None = None) -> None:

@@ -12,7 +12,6 @@ token-expert pairs sorted by expert on the XLA path, the Pallas kernels of
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from gdn_jax.models.linear import Linear, normal_init
@@ -84,7 +83,7 @@ class SparseMoE(nnx.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.fused_in is not None:
             proj = self.fused_in.matmul(x2)
-            _, gate, up, shared_gate = jnp.split(proj, self.fused_in.columns[1:], axis=-1)
+            _, gate, up, shared_gate = self.fused_in.split(proj)
             weights, experts = self.route(x2, proj)  # the router reads its columns in place
             out = self.routed(x2, weights, experts)
             shared = self.shared_expert.down_proj(jax.nn.silu(gate) * up)

@@ -29,7 +29,7 @@ def check_route(logits, k: int, num_experts: int | None = None) -> tuple[int, in
         raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise ValueError(f"logits: must be floating point, got {logits.dtype}")
-    m, e = logits.shape[0], num_experts or logits.shape[1]
+    m, e = logits.shape[0], logits.shape[1] if num_experts is None else num_experts
     if not 1 <= e <= logits.shape[1]:
         raise ValueError(
             f"num_experts: must be in [1, {logits.shape[1]}] (logits' columns), got {e}"
