@@ -14,15 +14,22 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+# the arena takes what the weights leave (memory_budget auto): let the allocator grow on demand
+# up to nearly all of the device's memory, not the client's default 75%
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 from benchmarks.common import fmt_bytes, log, write_json
 from benchmarks.serving_load import report
 from benchmarks.serving_load.replay import ReplayParams, calibrate, chain_acceptance
 from benchmarks.serving_load.run import (
     auto_budget,
+    cached_oracle,
     finite,
     make_llm,
     model_for,
@@ -55,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rates", help="per workload, e.g. 'sharegpt=1,4,inf;longctx=0.1,inf'")
     ap.add_argument("--requests", type=int, help="requests per workload (default: the preset's)")
     ap.add_argument("--num-layers", type=int, help="cut the config to this many layers")
+    ap.add_argument("--max-num-seqs", type=int, help="running requests at most")
+    ap.add_argument(
+        "--batch-buckets", help="comma list of batch sizes compiled (default: the preset's)"
+    )
     ap.add_argument("--memory-budget", help="arena bytes, or 'auto' (what the device has left)")
     ap.add_argument(
         "--policies",
@@ -97,6 +108,15 @@ def main(argv: list[str] | None = None) -> dict:
         preset["requests"] = {k: args.requests for k in preset["requests"]}
     if args.num_layers:
         preset["num_layers"] = args.num_layers
+    if args.max_num_seqs:
+        preset["max_num_seqs"] = args.max_num_seqs
+    if args.batch_buckets:
+        preset["batch_buckets"] = tuple(int(b) for b in args.batch_buckets.split(","))
+    if max(preset["batch_buckets"]) > preset["max_num_seqs"]:
+        raise SystemExit(
+            f"--batch-buckets: {preset['batch_buckets']} exceeds max_num_seqs "
+            f"{preset['max_num_seqs']}"
+        )
     if args.memory_budget:
         mb = args.memory_budget
         preset["memory_budget"] = mb if mb == "auto" else int(float(mb))
@@ -120,41 +140,26 @@ def main(argv: list[str] | None = None) -> dict:
         names.append("shift")
     workloads = {w: make_workload(w, preset, vocab, args.seed) for w in names}
 
-    # the oracle pass: plain greedy decoding of every request, once per workload
+    # the oracle pass: plain greedy decoding of every request, once per workload (the plain
+    # engine is built and compiled only when some workload's continuations are not cached)
     t0 = time.perf_counter()
-    plain = make_llm(model, preset, table["none"], budget)
-    warm_up(plain, preset, vocab)
     tag = f"{preset['model']}/{preset.get('num_layers')}/{preset['dtype']}/{preset['kernels']}"
-    oracles = {}
-    for name, wl in workloads.items():
-        cache = Path(args.oracle_dir) / f"{args.preset}_{name}.json" if args.oracle_dir else None
-        oracles[name] = oracle_pass(plain, wl, cache, tag)
-    del plain
-    gc.collect()
+    caches = {
+        name: Path(args.oracle_dir) / f"{args.preset}_{name}.json" if args.oracle_dir else None
+        for name in workloads
+    }
+    oracles = {name: cached_oracle(wl, caches[name], tag) for name, wl in workloads.items()}
+    if any(o is None for o in oracles.values()):
+        plain = make_llm(model, preset, table["none"], budget)
+        warm_up(plain, preset, vocab)
+        for name, wl in workloads.items():
+            oracles[name] = oracle_pass(plain, wl, caches[name], tag)
+        del plain
+        gc.collect()
     oracle_s = time.perf_counter() - t0
     log(f"oracle pass: {oracle_s:.1f} s")
 
     rows = []
-    served = [workloads[w] for w in preset["workloads"]] if args.policies != "only" else []
-    for key in preset["methods"] if served else ():
-        rows += run_method(model, preset, table[key], served, oracles, replay, budget, rates, vocab)
-    policies = None
-    if args.policies != "no":
-        m = table[preset["avmp_method"]]
-        policies = policy_study(
-            model,
-            preset,
-            m,
-            workloads["shift"],
-            oracles["shift"],
-            replay,
-            budget,
-            preset["shift_rate"],
-        )
-    for r in rows + (policies["rows"] if policies else []):
-        r["rate"] = finite(r["rate"])
-    if policies:
-        policies["rate"] = finite(preset["shift_rate"])
     doc = {
         "benchmark": "serving_load",
         "preset": args.preset,
@@ -175,8 +180,39 @@ def main(argv: list[str] | None = None) -> dict:
         "workloads": {k: w.params() for k, w in workloads.items()},
         "oracle_s": oracle_s,
         "rows": rows,
-        "policies": policies,
+        "policies": None,
     }
+
+    def save_partial(row):
+        """Each measured row goes to the JSON at once (``"partial": true`` until the run
+        ends), so a run stopped by a time limit keeps its rows."""
+        rows.append({**row, "rate": finite(row["rate"])})
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.json, {**doc, "partial": True})
+
+    served = [workloads[w] for w in preset["workloads"]] if args.policies != "only" else []
+    for key in preset["methods"] if served else ():
+        run_method(
+            model, preset, table[key], served, oracles, replay, budget, rates, vocab,
+            on_row=save_partial,
+        )  # fmt: skip
+    if args.policies != "no":
+        m = table[preset["avmp_method"]]
+        policies = policy_study(
+            model,
+            preset,
+            m,
+            workloads["shift"],
+            oracles["shift"],
+            replay,
+            budget,
+            preset["shift_rate"],
+        )
+        for r in policies["rows"]:
+            r["rate"] = finite(r["rate"])
+        policies["rate"] = finite(preset["shift_rate"])
+        doc["policies"] = policies
     doc["wall_s"] = time.perf_counter() - t_start
     print(report.tables(doc))
     print(f"# wall time {doc['wall_s']:.1f} s")

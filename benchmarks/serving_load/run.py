@@ -84,13 +84,22 @@ def warm_up(llm: LLM, preset: dict, vocab: int, replay: ReplayParams | None = No
     return time.perf_counter() - t0
 
 
-def oracle_pass(llm: LLM, wl: Workload, cache: Path | None, tag: str) -> list[list[int]]:
-    """Every request's greedy continuation by plain decoding (``llm`` has no speculation),
-    read from / written to ``cache`` (a JSON file per workload and model) when given."""
+def cached_oracle(wl: Workload, cache: Path | None, tag: str) -> list[list[int]] | None:
+    """The oracle continuations of ``wl`` from ``cache`` when it holds this workload's
+    prompts for this model (``tag``), else None."""
     if cache is not None and cache.exists():
         doc = json.loads(cache.read_text())
         if doc.get("tag") == tag and doc.get("prompts_hash") == _hash(wl.prompts):
             return doc["outputs"]
+    return None
+
+
+def oracle_pass(llm: LLM, wl: Workload, cache: Path | None, tag: str) -> list[list[int]]:
+    """Every request's greedy continuation by plain decoding (``llm`` has no speculation),
+    read from / written to ``cache`` (a JSON file per workload and model) when given."""
+    hit = cached_oracle(wl, cache, tag)
+    if hit is not None:
+        return hit
     params = [SamplingParams(max_tokens=int(n)) for n in wl.output_len]
     outs = llm.generate(wl.prompts, params)
     tokens = [o.token_ids for o in outs]
@@ -207,8 +216,11 @@ def serve(llm: LLM, wl: Workload, rate: float, n: int, oracle) -> dict:
     )
 
 
-def run_method(model, preset, method: Method, workloads, oracles, replay, budget, rates, vocab):
-    """One method: one engine, warmed up, through every workload and rate; rows."""
+def run_method(
+    model, preset, method: Method, workloads, oracles, replay, budget, rates, vocab, on_row=None
+):
+    """One method: one engine, warmed up, through every workload and rate; rows (each also
+    handed to ``on_row`` as it is measured, so a run cut short keeps what it measured)."""
     llm = make_llm(model, preset, method, budget)
     rows = []
     try:
@@ -230,6 +242,8 @@ def run_method(model, preset, method: Method, workloads, oracles, replay, budget
                     kernels=getattr(llm.runner, "kernels", preset["kernels"]),
                 )
                 rows.append(row)
+                if on_row is not None:
+                    on_row(row)
                 log(
                     f"{method.name} {wl.name} rate {rate}: {row['request_throughput']:.3g} req/s, "
                     f"TTFT p50 {row['ttft_p50_ms']} ms, accept {row['mean_acceptance_length']:.2f}"
