@@ -28,6 +28,7 @@ from benchmarks.common import fmt_bytes, log, write_json
 from benchmarks.serving_load import report
 from benchmarks.serving_load.replay import ReplayParams, calibrate, chain_acceptance
 from benchmarks.serving_load.run import (
+    AUTO_HEADROOM,
     auto_budget,
     cached_oracle,
     finite,
@@ -67,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-buckets", help="comma list of batch sizes compiled (default: the preset's)"
     )
     ap.add_argument("--memory-budget", help="arena bytes, or 'auto' (what the device has left)")
+    ap.add_argument(
+        "--headroom-gib",
+        type=float,
+        default=AUTO_HEADROOM / 2**30,
+        help="memory_budget auto: GiB left to the programs' activations (default %(default)s)",
+    )
     ap.add_argument(
         "--policies",
         choices=("yes", "no", "only"),
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = model.config.vocab_size
     budget = preset["memory_budget"]
     if budget == "auto":
-        budget = auto_budget()
+        budget = auto_budget(int(args.headroom_gib * 2**30))
     log(f"model {preset['model']} loaded; arena budget {fmt_bytes(budget)}")
     names = list(preset["workloads"] if args.policies != "only" else ())
     if args.policies != "no":
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "rates": {k: [finite(x) for x in v] for k, v in rates.items()},
         "memory_budget_bytes": budget,
+        "headroom_bytes": int(args.headroom_gib * 2**30),
         "replay": {
             "p1": p1,
             "decay": args.decay,
