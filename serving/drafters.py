@@ -27,14 +27,15 @@ def _softmax(x: np.ndarray, temperature: float) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def ngram_counts(tokens: np.ndarray, ngram_max: int, vocab: int) -> np.ndarray | None:
-    """Counts ``[vocab]`` of the tokens that followed earlier occurrences of the longest suffix
-    (up to ``ngram_max`` tokens) of ``tokens`` that occurred before; ``None`` if none did."""
+def ngram_candidates(tokens: np.ndarray, ngram_max: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(next tokens [C] ascending, their counts [C])``: the tokens that followed earlier
+    occurrences of the longest suffix (up to ``ngram_max`` tokens) of ``tokens`` that occurred
+    before, sparse; ``None`` if none did."""
     for n in range(min(ngram_max, len(tokens) - 1), 0, -1):
         windows = sliding_window_view(tokens[:-1], n)
         hits = np.nonzero((windows == tokens[-n:]).all(axis=1))[0]
         if hits.size:
-            return np.bincount(tokens[hits + n], minlength=vocab)[:vocab].astype(np.float64)
+            return np.unique(tokens[hits + n], return_counts=True)
     return None
 
 
@@ -60,9 +61,13 @@ class NgramDrafter:
                         path.append(tb.tokens[n])
                         n = tb.parents[n]
                     ext = np.concatenate([ctx, np.asarray(path[::-1], ctx.dtype)])
-                    counts = ngram_counts(ext, self.ngram_max, self.vocab)
-                    if counts is not None:
-                        tb.expand(node, counts / counts.sum(), proposals=True)
+                    found = ngram_candidates(ext, self.ngram_max)
+                    if found is not None:
+                        nxt, counts = found
+                        keep = nxt < self.vocab
+                        if keep.any():
+                            c = counts[keep].astype(np.float64)
+                            tb.propose(node, nxt[keep], c / c.sum())
                 level += 1
             tb.finish()
 

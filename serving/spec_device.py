@@ -129,7 +129,7 @@ _NO_TOKEN = np.iinfo(np.int32).max  # sorts after every token
 
 
 def _continuations(text, total, ngram_max: int, width: int):
-    """Prompt lookup on the device, :func:`serving.drafters.ngram_counts` and the greedy pick
+    """Prompt lookup on the device, :func:`serving.drafters.ngram_candidates` and the greedy pick
     of :class:`serving.spec_trees.TreeBuilder` for a batch of texts: ``text int32 [R, W]``
     whose first ``total [R]`` tokens count. For the longest suffix (up to ``ngram_max``
     tokens) that occurred earlier, the tokens that followed its earlier occurrences, the

@@ -23,15 +23,17 @@ PAD_PARENT = -2
 
 
 def _pick(q: np.ndarray, k: int, rng: np.random.Generator | None) -> np.ndarray:
-    """``k`` distinct tokens from ``q`` (fewer if it has fewer non-zero entries)."""
-    support = int((q > 0).sum())
-    k = min(k, support)
+    """``k`` distinct tokens from ``q`` (fewer if it has fewer non-zero entries): the most
+    likely (ties: the lower token first), or with ``rng`` ``k`` Gumbel top-k draws. Greedy
+    picks sort only the support, so a sparse ``q`` over a large vocabulary costs one scan."""
+    support = np.flatnonzero(q > 0)
+    k = min(k, support.size)
     if k <= 0:
         return np.zeros(0, np.int64)
+    if rng is None:
+        return support[np.argsort(-q[support], kind="stable")[:k]]
     with np.errstate(divide="ignore"):
-        score = np.log(q)
-    if rng is not None:
-        score = score + rng.gumbel(size=q.shape)
+        score = np.log(q) + rng.gumbel(size=q.shape)
     return np.argsort(-score, kind="stable")[:k]
 
 
@@ -84,13 +86,35 @@ class TreeBuilder:
         rng = None if proposals else self.rng
         picks = _pick(q, k, rng)
         self.q[node] = None if (proposals or self.rng is None) else q
+        self._add(node, picks, q[picks])
+
+    def propose(self, node: int, tokens, probs) -> None:
+        """Adds children of ``node`` from fixed candidates given sparsely: distinct
+        ``tokens [C]`` with probabilities ``probs [C]`` (> 0; the mass of the drafter's
+        distribution on them), the most probable first (ties: the lower token), as many as
+        the node takes; no ``[V]`` vector. ``expand(node, q, proposals=True)`` with ``q``
+        zero off ``tokens`` adds the same children."""
+        tokens = np.asarray(tokens, np.int64)
+        probs = np.asarray(probs, np.float64)
+        if tokens.shape != probs.shape or tokens.ndim != 1:
+            raise ValueError(
+                f"tokens, probs: one probability per token, got {tokens.shape}, {probs.shape}"
+            )
+        if np.unique(tokens).size != tokens.size or (probs <= 0).any():
+            raise ValueError("tokens, probs: distinct tokens with positive probabilities")
+        k = min(self.width(node), self.room())
+        order = np.lexsort((tokens, -probs))[:k]
+        self.q[node] = None
+        self._add(node, tokens[order], probs[order])
+
+    def _add(self, node: int, picks: np.ndarray, probs: np.ndarray) -> None:
         with np.errstate(divide="ignore"):
-            lq = np.log(q)
-        for t in picks:
+            lq = np.log(probs)
+        for t, lp in zip(picks, lq, strict=True):
             self.tokens.append(int(t))
             self.parents.append(node)
             self.depth.append(self.depth[node] + 1)
-            self.logp.append(self.logp[node] + float(lq[t]))
+            self.logp.append(self.logp[node] + float(lp))
             self.q.append(None)
             self.data.append(None)
 
