@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", help=f"comma list (default: the preset's) of {list(methods())}")
     ap.add_argument("--rates", help="per workload, e.g. 'sharegpt=1,4,inf;longctx=0.1,inf'")
     ap.add_argument("--requests", type=int, help="requests per workload (default: the preset's)")
+    ap.add_argument(
+        "--serve-requests",
+        type=int,
+        help="serve at most the first N requests of each workload at each rate (the workload "
+        "and its cached oracle stay those of --requests)",
+    )
     ap.add_argument("--num-layers", type=int, help="cut the config to this many layers")
     ap.add_argument("--max-num-seqs", type=int, help="running requests at most")
     ap.add_argument(
@@ -113,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         preset["methods"] = tuple(args.methods.split(","))
     if args.requests:
         preset["requests"] = {k: args.requests for k in preset["requests"]}
+    if args.serve_requests:
+        preset["serve_requests"] = args.serve_requests
     if args.num_layers:
         preset["num_layers"] = args.num_layers
     if args.max_num_seqs:

@@ -239,6 +239,7 @@ def run_method(
             drafter = install_replay(llm, wl, oracles[wl.name], replay) if method.spec else None
             for rate in rates[wl.name]:
                 n = wl.count(rate, preset.get("max_span_s"))
+                n = min(n, preset.get("serve_requests") or n)
                 off0 = drafter.off_path_steps if drafter else 0
                 row = serve(llm, wl, rate, n, oracles[wl.name])
                 row["off_path_draft_steps"] = drafter.off_path_steps - off0 if drafter else 0
