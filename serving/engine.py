@@ -334,6 +334,9 @@ class Engine:
             for i, tb in enumerate(builders):
                 tokens[i], parents[i] = tb.arrays(self.num_nodes)
             kw.update(tokens=tokens, parents=parents)
+            forced = getattr(self.drafter, "forced_targets", None)  # a benchmark's replay
+            if forced is not None:
+                kw["forced"] = forced(builders, b, self.num_nodes)
         out, counts, hidden = self.device_spec(  # host arrays
             *rows, root, self._scratch(reqs, b), seeds, temp, top_k, top_p, **kw
         )

@@ -278,6 +278,7 @@ def accept(
     top_p,
     keys,
     sampling: bool = True,
+    forced=None,
 ):
     """The accepted path and the next token of each row (:mod:`serving.acceptance` on the
     device).
@@ -287,12 +288,17 @@ def accept(
     draft_logits[node] / T)``) or ``None`` (fixed proposals, e.g. n-gram); ``width``: most
     children of a node. Greedy rows follow the target's argmax; sampled rows run recursive
     rejection sampling over siblings (``sampling=False``: every row is greedy, and the
-    program holds no sampling at all). Returns ``(path int32 [B, depth + 1]`` (node ids,
-    ``-1`` past the length), ``path_len int32 [B]``, ``next int32 [B])``."""
+    program holds no sampling at all). ``forced int32 [B, N]``: a benchmark's stand-in for
+    the target's choice at each node of greedy rows (``-1``: the target's argmax there), so
+    that a model with random weights follows a replayed continuation (the logits are computed
+    all the same). Returns ``(path int32 [B, depth + 1]`` (node ids, ``-1`` past the length),
+    ``path_len int32 [B]``, ``next int32 [B])``."""
     b = tokens.shape[0]
     rows = jnp.arange(b)
     greedy = temperature <= 0
     argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    if forced is not None:
+        argmax = jnp.where(forced >= 0, forced, argmax)
     node = jnp.zeros(b, jnp.int32)
     live = jnp.ones(b, bool)
     path = jnp.full((b, depth + 1), -1, jnp.int32).at[:, 0].set(0)
@@ -402,6 +408,7 @@ class ProgramKey:
     # steps of at most this many tree tokens run as CUDA graphs (serving.launch)
     graph_tokens: int | None = launch.DEFAULT_GRAPH_TOKENS
     ngram_max: int = 0  # the n-gram drafter's longest suffix (its static trees on the device)
+    forced: bool = False  # host trees with forced target choices (accept's ``forced``)
 
 
 @functools.cache
@@ -543,6 +550,7 @@ def _program(key: ProgramKey):
         temp,
         top_k,
         top_p,
+        forced=None,
     ):
         tstate = tflat.state()  # the runners' serving.runner.FlatState
         dstate = None if dflat is None else dflat.state()
@@ -581,6 +589,7 @@ def _program(key: ProgramKey):
             top_p=top_p,
             keys=keys,
             sampling=key.sampling,
+            forced=forced,
         )
         # commit from the scratch units, as the two-program path does
         cache = target_cache(cache.buffer, table, handles, pages, lengths, defer=True)
@@ -610,18 +619,18 @@ def _program(key: ProgramKey):
         the arena, the table)."""
         ints, table = split_table_delta(table, ints, key.table_rows)
         n, s = key.nodes, key.nodes if key.snapshot else 1
-        widths = [1, None, 1, 1, n, n, s, 3, 1]
+        widths = [1, None, 1, 1, n, n, s, 3, 1] + ([n] if key.forced else [])
         fixed = sum(w for w in widths if w is not None)
         widths[1] = ints.shape[1] - fixed  # the page table's width
         cols = np.cumsum(widths)[:-1]
-        handles, pages, lengths, root, tokens, parents, scratch, seeds, top_k = jnp.split(
+        handles, pages, lengths, root, tokens, parents, scratch, seeds, top_k, *forced = jnp.split(
             ints, cols, axis=1
         )
         seeds = jax.lax.bitcast_convert_type(seeds, jnp.uint32)
         out, path_len, hidden_next, buf = step(
             tflat, dflat, buf, table, handles[:, 0], pages, lengths[:, 0], root[:, 0],
             tokens, parents, hidden, scratch if key.snapshot else scratch[:, 0], seeds,
-            floats[:, 0], top_k[:, 0], floats[:, 1],
+            floats[:, 0], top_k[:, 0], floats[:, 1], forced[0] if forced else None,
         )  # fmt: skip
         packed = jnp.concatenate([out, path_len[:, None]], axis=1).astype(jnp.int32)
         keep = key.drafter == "mtp" or (key.drafter == "ngram" and tree is not None)
@@ -666,16 +675,20 @@ def _chained_program(key: ProgramKey):
     return launch.ByTokens(chained, key.graph_tokens, 4, count=tree_tokens, donate_argnums=(2, 3))
 
 
-def pack_inputs(handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p):
+def pack_inputs(
+    handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p, forced=None
+):
     """A step's per-row inputs as two host arrays, so a step moves two small buffers to the
     device instead of eleven (each argument of a jitted call is a host-to-device copy of its
     own): ``int32 [B, 1 + MP + 1 + 1 + N + N + S + 3 + 1]`` (handles, page table, lengths, roots,
     tree tokens and parents, scratch handles (``S`` = N per-node snapshots, else 1), seeds
-    (uint32 bits), top-k) and ``float32 [B, 2]`` (temperature, top-p)."""
+    (uint32 bits), top-k; then the forced targets ``[B, N]`` when given) and ``float32 [B, 2]``
+    (temperature, top-p)."""
     b = np.shape(root)[0]
     seed_bits = np.asarray(seeds, np.uint32).reshape(b, -1).view(np.int32)
+    extra = () if forced is None else (forced,)
     ints = pack_columns(
-        b, handles, pages, lengths, root, tokens, parents, scratch, seed_bits, top_k
+        b, handles, pages, lengths, root, tokens, parents, scratch, seed_bits, top_k, *extra
     )
     return ints, pack_columns(b, temp, top_p, dtype=np.float32)
 
@@ -728,7 +741,9 @@ class DeviceSpeculator:
         if self.history:  # another host drafter may stand in for the n-gram one
             self._host_key = dataclasses.replace(self.key, tree=None, ngram_max=0)
         self._host_programs = {
-            s: _program(dataclasses.replace(self._host_key, sampling=s)) for s in (False, True)
+            (s, f): _program(dataclasses.replace(self._host_key, sampling=s, forced=f))
+            for s in (False, True)
+            for f in (False, True)
         }
         self.num_nodes = spec.num_nodes
         self.calls = 0
@@ -739,8 +754,10 @@ class DeviceSpeculator:
             for s in (False, True)
             for make in (_program, _chained_program)
         )
-        if self._host_key is not self.key:
-            n += sum(self._host_programs[s]._cache_size() for s in (False, True))
+        extra = self._host_programs.items()
+        if self._host_key is self.key:
+            extra = [(sf, f) for sf, f in extra if sf[1]]  # the forced ones only
+        n += sum(f._cache_size() for _, f in extra)
         return n
 
     @property
@@ -771,6 +788,7 @@ class DeviceSpeculator:
         hidden=None,
         tokens=None,
         parents=None,
+        forced=None,
     ):
         """One step: returns host arrays ``(emitted int32 [B, depth + 1], counts int32 [B],
         hidden [B, H]`` (the MTP drafter's next hidden states; None for the others)), fetched
@@ -778,10 +796,11 @@ class DeviceSpeculator:
         device packed in two arrays (:func:`pack_inputs`); ``hidden``: the MTP drafter's
         hidden states, or for the n-gram drafter's static trees (:attr:`history`) the rows'
         tokens ``int32 [B, L]``; ``tokens`` and ``parents``: the host's trees (n-gram budget
-        trees)."""
+        trees); ``forced int32 [B, N]``: with the host's trees, the target's stand-in choices
+        (:func:`accept`; a benchmark's replayed continuations)."""
         out, counts, hid = self.ahead(
             handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p,
-            steps=1, hidden=hidden, tokens=tokens, parents=parents,
+            steps=1, hidden=hidden, tokens=tokens, parents=parents, forced=forced,
         )  # fmt: skip
         return out[0], counts[0], hid
 
@@ -801,6 +820,7 @@ class DeviceSpeculator:
         hidden=None,
         tokens=None,
         parents=None,
+        forced=None,
     ):
         """``steps`` speculative steps dispatched back to back, each fed the previous one's
         emitted tokens, lengths and (MTP) hidden states or (n-gram) tokens on the device
@@ -814,6 +834,11 @@ class DeviceSpeculator:
         host_trees = tokens is not None
         if steps > 1 and (host_trees or not self.chains):
             raise ValueError(f"steps ahead need trees drafted on the device, got {self.drafter!r}")
+        if forced is not None and (not host_trees or np.shape(forced) != np.shape(tokens)):
+            raise ValueError(
+                f"forced: one target choice per node of the host's trees "
+                f"{np.shape(tokens) if host_trees else 'none given'}, got {np.shape(forced)}"
+            )
         r = self.runner
         b = root.shape[0]
         if tokens is None:
@@ -822,13 +847,14 @@ class DeviceSpeculator:
             hidden = None  # only the MTP drafter reads it (None: nothing moves to the device)
         self.calls += steps
         ints, floats = pack_inputs(
-            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p
-        )
+            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p,
+            forced,
+        )  # fmt: skip
         table, delta = r.table_delta(TABLE_DELTA_ROWS)
         sampling = bool(np.any(temp > 0))
         first, chained = self._programs[sampling], self._chained[sampling]
         if host_trees:
-            first = self._host_programs[sampling]
+            first = self._host_programs[sampling, forced is not None]
         ints = with_table_delta(ints, delta)  # re-applied by later steps: the same rows
         packed, hidden, r._buf, table = first(
             r._state, self._dstate, r._buf, table, ints, floats, hidden

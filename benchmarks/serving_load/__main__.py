@@ -99,6 +99,14 @@ def _parser() -> argparse.ArgumentParser:
         default=0.25,
         help="geometric rank offset of a true token not ranked first (0: absent)",
     )
+    ap.add_argument(
+        "--force-replay",
+        action=argparse.BooleanOptionalAction,
+        help="the target follows the oracle: acceptance takes the replayed continuation as "
+        "the target's choice (its logits are computed all the same), for random weights whose "
+        "near-tied logits round differently in a verify than in a decode (default: the "
+        "preset's; on for full)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle-dir", help="cache of the oracle continuations (JSON per workload)")
     ap.add_argument("--json", help="write the results here (plots beside it)")
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; known: {list(table)}")
     p1 = calibrate(args.target_accept, preset["chain"], args.decay)
-    replay = ReplayParams(p1, args.decay, args.sibling_hit, args.seed)
+    force = preset["force_replay"] if args.force_replay is None else args.force_replay
+    replay = ReplayParams(p1, args.decay, args.sibling_hit, args.seed, force)
     log(f"replay drafter: p_1 = {p1:.4f}, decay {args.decay}, sibling_hit {args.sibling_hit}")
 
     model = model_for(preset)
@@ -190,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
             "decay": args.decay,
             "sibling_hit": args.sibling_hit,
             "seed": args.seed,
+            "force": force,
             "chain_depth": preset["chain"],
             "expected_chain_acceptance": chain_acceptance(p1, args.decay, preset["chain"]),
         },

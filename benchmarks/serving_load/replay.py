@@ -51,6 +51,7 @@ class ReplayParams:
     decay: float = 0.9
     sibling_hit: float = 0.25
     seed: int = 0
+    force: bool = False  # the target follows the oracle (ReplayDrafter.forced_targets)
 
     def p(self, depth: int) -> float:
         return min(1.0, self.p1 * self.decay ** (depth - 1))
@@ -127,11 +128,14 @@ class ReplayDrafter(NgramDrafter):
         key, generated, truth = 0, 0, None
         if entry is not None:
             key, generated = entry.key, ctx.size - entry.prompt.size
-            if np.array_equal(ctx[entry.prompt.size :], entry.oracle[:generated]):
+            # forced: the oracle by position (the first token is the model's own, from
+            # prefill; every later one is the oracle's, since the target is made to follow it)
+            if prm.force or np.array_equal(ctx[entry.prompt.size :], entry.oracle[:generated]):
                 truth = entry.oracle[generated:]
         if truth is None:
             self.off_path_steps += 1
             truth = np.zeros(0, np.int64)
+        tb.data[0] = truth  # the root's payload: the true continuation (forced_targets)
         # ranks first (a fixed number of draws), then siblings: same ranks for every tree shape
         ranks_rng = np.random.default_rng([prm.seed, key, generated, 0])
         u = ranks_rng.random(MAX_DEPTH)
@@ -160,6 +164,24 @@ class ReplayDrafter(NgramDrafter):
                 q = 0.5 ** np.arange(1, len(cands) + 1)
                 tb.propose(node, cands, q / q.sum())
             level += 1
+
+    def forced_targets(self, builders: list[TreeBuilder], b: int, n: int) -> np.ndarray | None:
+        """With ``force``: ``int32 [b, n]``, at each node on the true path of each tree the
+        oracle's next token, ``-1`` elsewhere (the engine hands it to the device program's
+        acceptance in place of the target's argmax, :func:`serving.spec_device.accept`; the
+        target's logits are computed all the same). ``None`` without ``force``."""
+        if not self.params.force:
+            return None
+        out = np.full((b, n), -1, np.int32)
+        for i, tb in enumerate(builders):
+            truth = tb.data[0]
+            if truth is None:
+                continue
+            for node in self._true_nodes(tb, truth):
+                d = tb.depth[node]
+                if d < truth.size:
+                    out[i, node] = truth[d]
+        return out
 
     def _random_tokens(self, rng: np.random.Generator, k: int, exclude: int) -> list[int]:
         out: list[int] = []

@@ -129,10 +129,12 @@ def _ms(x, q) -> float | None:
     return 1e3 * float(np.percentile(x, q)) if len(x) else None
 
 
-def serve(llm: LLM, wl: Workload, rate: float, n: int, oracle) -> dict:
+def serve(llm: LLM, wl: Workload, rate: float, n: int, oracle, skip_first: bool = False) -> dict:
     """The first ``n`` requests of ``wl`` at ``rate`` through ``llm`` (step clock, module
     docstring; a replay drafter's host time is left out of it and reported as
-    ``draft_host_s``): per-request times and tokens, and the run's counters."""
+    ``draft_host_s``): per-request times and tokens, and the run's counters.
+    ``skip_first``: ``same_tokens_as_plain`` compares the tokens after the first (a forced
+    replay: the first token is the model's own, from prefill)."""
     arrival = wl.arrivals(rate)[:n]
     rid_of: dict = {}
     first = np.full(n, np.nan)
@@ -193,7 +195,8 @@ def serve(llm: LLM, wl: Workload, rate: float, n: int, oracle) -> dict:
     tpot = ((last - first) / np.maximum(ntok - 1, 1))[done & (ntok > 1)]
     makespan = float(np.nanmax(last) - arrival[0]) if done.any() else float("nan")
     kind = llm.scheduler.spec_kind
-    same = [tokens[i] == list(oracle[i]) for i in range(n) if done[i]]
+    k = 1 if skip_first else 0
+    same = [tokens[i][k:] == list(oracle[i])[k:] for i in range(n) if done[i]]
     return dict(
         requests=n,
         completed=int(done.sum()),
@@ -241,7 +244,8 @@ def run_method(
                 n = wl.count(rate, preset.get("max_span_s"))
                 n = min(n, preset.get("serve_requests") or n)
                 off0 = drafter.off_path_steps if drafter else 0
-                row = serve(llm, wl, rate, n, oracles[wl.name])
+                force = replay.force and method.spec is not None
+                row = serve(llm, wl, rate, n, oracles[wl.name], skip_first=force)
                 row["off_path_draft_steps"] = drafter.off_path_steps - off0 if drafter else 0
                 row.update(
                     method=method.name,
@@ -276,7 +280,7 @@ def policy_study(model, preset, method: Method, wl: Workload, oracle, replay, bu
             warm_up(llm, preset, llm.config.vocab_size, replay)
             if method.spec:
                 install_replay(llm, wl, oracle, replay)
-            row = serve(llm, wl, rate, n, oracle)
+            row = serve(llm, wl, rate, n, oracle, skip_first=bool(replay.force and method.spec))
         finally:
             del llm
             gc.collect()

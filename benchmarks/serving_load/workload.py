@@ -165,6 +165,7 @@ PRESETS = {
         memory_budget=2 << 20,
         avmp_method="none",
         bootstrap_reps=1000,
+        force_replay=False,
     ),
     "full": dict(
         model="qwen3_5_35b_a3b",
@@ -205,5 +206,6 @@ PRESETS = {
         memory_budget="auto",
         avmp_method="tree_wy",
         bootstrap_reps=2000,
+        force_replay=True,
     ),
 }

@@ -114,3 +114,42 @@ def test_smoke_preset(tmp_path):
         return
     assert (tmp_path / "smoke_throughput.png").exists()
     assert (tmp_path / "smoke_ttft_cdf.png").exists()
+
+
+@pytest.mark.parametrize("key", ["tree_wy", "chain_snapshot"])
+def test_forced_replay_follows_any_oracle(key):
+    """With ``force`` the engine emits the replayed continuation even where the model would
+    not (a random oracle, not the tiny model's greedy text): every token after the first, at
+    the replay's acceptance, so that random-weight models can be benchmarked."""
+    from benchmarks.serving_load.run import install_replay, serve
+    from benchmarks.serving_load.workload import Workload
+    from serving import LLM
+    from serving.bench import ASSETS
+
+    table = methods(tree=(2, 1, 1), chain=3, wide=())
+    llm = LLM(
+        str(ASSETS / "target"),
+        speculative=table[key].spec,
+        dtype="float32",
+        max_num_seqs=2,
+        batch_buckets=(2,),
+        prefill_chunk=32,
+        max_model_len=96,
+        kernels="xla",
+    )
+    vocab = llm.config.vocab_size
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, vocab, 12).tolist() for _ in range(2)]
+    out_len = np.array([20, 14])
+    oracle = [rng.integers(0, vocab, n).tolist() for n in out_len]
+    wl = Workload("t", np.array([12, 12]), out_len, prompts, np.zeros(2))
+    p1 = calibrate(2.5, depth=3, decay=0.9)
+    install_replay(llm, wl, oracle, ReplayParams(p1, 0.9, 0.25, seed=0, force=True))
+    row = serve(llm, wl, float("inf"), 2, oracle, skip_first=True)
+    assert row["completed"] == 2
+    assert row["same_tokens_as_plain"] == 1.0  # every token after the first is the oracle's
+    assert row["mean_acceptance_length"] > 1.3
+    # without force the random oracle is left at once: the drafts are random, nothing accepted
+    install_replay(llm, wl, oracle, ReplayParams(p1, 0.9, 0.25, seed=0, force=False))
+    row = serve(llm, wl, float("inf"), 2, oracle, skip_first=True)
+    assert row["same_tokens_as_plain"] == 0.0
