@@ -202,6 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="each input projection its own matmul (default: fused, as the engine runs them)",
     )
+    ap.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="also the snapshot method's verify (a scratch unit per node) at each tree size",
+    )
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -267,6 +272,16 @@ def main(argv: list[str] | None = None) -> dict:
                 {"snapshot": False},
             )
         )
+        if args.snapshot:  # the snapshot method: one scratch unit per node
+            snap = (*nodes[:2], sds((b0, n), i32))
+            progs.append(
+                (
+                    f"snapshot verify N {n}, B {b0}",
+                    verify,
+                    (flat, *arena, *rows(b0), *snap),
+                    {"snapshot": True},
+                )
+            )
     path = (sds((b0,), i32), sds((b0, depth + 1), i32), sds((b0,), i32))
     progs.append((f"commit B {b0}", commit, (*arena, *rows(b0), *path), {}))
     chunk = (sds((b0, args.chunk), i32), sds((b0,), i32))
@@ -282,13 +297,16 @@ def main(argv: list[str] | None = None) -> dict:
     with _as_gpu():
         for label, prog, a, kw in progs:
             t = time.perf_counter()
-            hlo = prog.trace(*a, **kw).lower().compile().as_text()
+            compiled = prog.trace(*a, **kw).lower().compile()
+            hlo = compiled.as_text()
+            mem = compiled.memory_analysis()
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 stem = re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
                 with open(os.path.join(args.dump, f"{stem}.txt"), "w") as f:
                     f.write(hlo)
             row = dict(program=label, **entry_launches(hlo), arena_copies=arena_copies(hlo))
+            row["temp_bytes"] = None if mem is None else int(mem.temp_size_in_bytes)
             if "spec step" not in label:
                 row["per_layer"] = row["launches"] / args.layers
             row["compile_s"] = time.perf_counter() - t
@@ -303,6 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{name}, {args.layers} layers, H200 target, kernels {kernels.name} (deviceless)\n")
     cols = [("program", "program"), ("launches", "launches"), ("per_layer", "per layer")]
     cols += [(k, k) for k in KINDS] + [("arena_copies", "arena copies")]
+    for r in out:
+        r["temp_mib"] = None if r["temp_bytes"] is None else r["temp_bytes"] / 2**20
+    cols += [("temp_mib", "temporaries MiB")]
     print(markdown_table(out, cols, digits=4))
     if args.json:
         write_json(args.json, doc)

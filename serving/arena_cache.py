@@ -592,6 +592,27 @@ class ArenaCache:
             raise ValueError("arena cache: the spec has no stash fields (ArenaSpec.from_layout)")
         return {f.name: f for f in self.spec.stash}
 
+    def write_snapshot_states(self, layer: int, states: jax.Array, scratch: jax.Array):
+        """GDN layer ``layer``'s per-node states ``[B, N, Hv, K, V]`` (the snapshot verify)
+        written into the rows' ``snapshot`` units (``scratch int32 [B, N]``, ``-1``: dropped)
+        at once, not queued: :func:`gdn_jax.models.steps.verify_tree` (``snapshot_into``)
+        hands each layer's states here as it computes them and reads the later layers through
+        the returned cache, so every read of the buffer comes before the writes that follow
+        it, each write is in place, and one layer's states are alive at a time instead of
+        every layer's (``B N Lg Hv K V`` floats: 54 GiB at Qwen3.5-35B-A3B's dims, ``B`` 32,
+        ``N`` 29)."""
+        if self.pending:
+            raise ValueError("write_snapshot_states: queued writes must be flushed first")
+        sp = self.spec
+        b, n = scratch.shape
+        m = b * n
+        seg, word = self._lookup(scratch, scratch >= 0)
+        word = word.reshape(m) + sp.state_offset + layer * sp.state_words
+        rows = field_to_words(states.astype(sp.state_dtype), m)
+        return dataclasses.replace(
+            self, buffer=scatter_windows(self.buffer, seg.reshape(m), word, rows)
+        )
+
     def write_tree_state(self, tree: TreeState, scratch: jax.Array) -> ArenaCache:
         """``tree`` (what :func:`gdn_jax.models.steps.verify_tree` returned) written into each
         row's speculative-scratch units, in place when the buffer is donated.
@@ -648,7 +669,7 @@ class ArenaCache:
         n = scratch.shape[1]
         m = b * n
         seg, word = seg.reshape(m), word.reshape(m)
-        if lg:
+        if lg and tree.gdn[0] is not None:  # (None: written as verified, above)
             states = jnp.stack(tree.gdn, 2)  # [B, N, Lg, Hv, K, V]
             cache = cache._write(
                 seg, word + sp.state_offset, field_to_words(states.astype(sp.state_dtype), m)

@@ -272,6 +272,15 @@ def _packed_decode(program: launch.ByTokens, rows: int) -> launch.ByTokens:
 _TREE_QK_L2NORM = True
 
 
+def snapshot_sink(cache, scratch, snapshot: bool):
+    """``verify_tree``'s ``snapshot_into`` for a snapshot verify into the arena: the scratch
+    handles where the cache writes each layer's states as verified
+    (``ArenaCache.write_snapshot_states``), else None."""
+    if snapshot and scratch is not None and hasattr(cache, "write_snapshot_states"):
+        return scratch
+    return None
+
+
 @functools.cache
 def _arena_programs(
     graphdef,
@@ -314,17 +323,19 @@ def _arena_programs(
     ):
         m = _merge(graphdef, state)
         cache = cache_of(buf, table, handles, pages, lengths)
-        logits, tree, hidden = steps.verify_tree(
-            m, tokens, parents, cache, return_hidden=True, snapshot=snapshot
-        )
-        logits = logits.astype(jnp.float32)
-        if scratch is None:
-            return logits, jnp.argmax(logits, -1), hidden, tree
-        if scratch.ndim != (2 if snapshot else 1):
+        if scratch is not None and scratch.ndim != (2 if snapshot else 1):
             raise ValueError(
                 f"verify(snapshot={snapshot}): scratch handles must be int32 "
                 f"{'[B, N] snapshot' if snapshot else '[B] stash'} units, got {scratch.shape}"
             )
+        into = snapshot_sink(cache, scratch, snapshot)
+        logits, tree, hidden, *written = steps.verify_tree(
+            m, tokens, parents, cache, return_hidden=True, snapshot=snapshot, snapshot_into=into
+        )
+        cache = written[0] if written else cache
+        logits = logits.astype(jnp.float32)
+        if scratch is None:
+            return logits, jnp.argmax(logits, -1), hidden, tree
         written, (logits, hidden) = cache.write_tree_state(tree, scratch).flush(logits, hidden)
         return logits, jnp.argmax(logits, -1), hidden, written.buffer
 

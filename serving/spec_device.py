@@ -43,7 +43,13 @@ from serving import launch
 from serving.arena_cache import ArenaCache
 from serving.arena_spec import ArenaSpec
 from serving.kernels import ArenaKernels
-from serving.runner import TABLE_DELTA_ROWS, pack_columns, split_table_delta, with_table_delta
+from serving.runner import (
+    TABLE_DELTA_ROWS,
+    pack_columns,
+    snapshot_sink,
+    split_table_delta,
+    with_table_delta,
+)
 
 # the offsets of the random streams of a step (folded into each row's key)
 _DRAFT_STREAM = 1 << 16
@@ -572,9 +578,12 @@ def _program(key: ProgramKey):
             draft_logits = None
         tm = nnx.merge(key.target, tstate)
         cache = target_cache(buf, table, handles, pages, lengths, defer=True)
-        logits, tstate_tree, hid = steps.verify_tree(
-            tm, tokens, parents, cache, return_hidden=True, snapshot=key.snapshot
-        )
+        into = snapshot_sink(cache, scratch, key.snapshot)
+        logits, tstate_tree, hid, *written = steps.verify_tree(
+            tm, tokens, parents, cache, return_hidden=True, snapshot=key.snapshot,
+            snapshot_into=into,
+        )  # fmt: skip
+        cache = written[0] if written else cache
         logits = logits.astype(jnp.float32)
         cache, (logits, hid) = cache.write_tree_state(tstate_tree, scratch).flush(logits, hid)
         path, path_len, nxt = accept(

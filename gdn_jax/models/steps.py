@@ -149,6 +149,7 @@ def verify_tree(
     *,
     return_hidden: bool = False,
     snapshot: bool = False,
+    snapshot_into=None,
 ):
     """Logits of every draft node as if its root-to-node path had been decoded after the
     committed tokens; the cache is not modified. Returns ``(logits [B, N, V], TreeState)``,
@@ -156,7 +157,11 @@ def verify_tree(
 
     ``snapshot=True`` verifies the GDN layers by per-node state snapshots (the vLLM/SGLang
     method; ``TreeState.gdn`` then holds ``[B, N, Hv, K, V]`` states per layer) with everything
-    else identical, so both methods give the same logits."""
+    else identical, so both methods give the same logits. ``snapshot_into`` (with
+    ``snapshot``; a cache with ``write_snapshot_states``, e.g. the serving engine's arena):
+    each GDN layer's states go to ``cache.write_snapshot_states(layer, states,
+    snapshot_into)`` as soon as they are computed, the later layers read through the cache it
+    returns, ``TreeState.gdn`` holds ``None`` per layer, and that cache comes back last."""
     b, n = tokens.shape
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     incl = ancestor_closure(parents)  # [B, N, N]: i on path(n)
@@ -175,6 +180,9 @@ def verify_tree(
             mixed, tc, qkv = layer.linear_attn.tree(
                 h, parents, conv, ssm, snapshot=snapshot, rule=rule
             )
+            if snapshot and snapshot_into is not None:
+                cache = cache.write_snapshot_states(gi, tc, snapshot_into)
+                tc = None
             gdn.append(tc)
             conv_in.append(qkv)
             gi += 1
@@ -198,9 +206,8 @@ def verify_tree(
         x = layer.ffn(x + mixed)
     state = TreeState(tuple(gdn), _stack(conv_in), _stack(dks), _stack(dvs))
     hidden = model.norm(x)
-    if return_hidden:
-        return model.logits(hidden), state, hidden
-    return model.logits(hidden), state
+    out = (model.logits(hidden), state, hidden) if return_hidden else (model.logits(hidden), state)
+    return (*out, cache) if snapshot and snapshot_into is not None else out
 
 
 def _stack(xs: list[jax.Array]) -> jax.Array:
