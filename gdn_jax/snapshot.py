@@ -71,7 +71,10 @@ def _snapshot_xla(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2n
         o = jnp.einsum("bhk,bhgkv->bhgv", qf[:, i], s, precision=HIGHEST)
         return states.at[:, i].set(s), out.at[:, i].set(o)
 
-    states = jnp.zeros((b, n) + s0.shape[1:], jnp.float32)
+    # every node's slot is written by the loop; the buffer starts as the initial state so that
+    # it exists only from this layer's input on (a zeros start is an input-free constant,
+    # which XLA creates for every layer of a model at the program's start, all alive at once)
+    states = jnp.broadcast_to(s0[:, None], (b, n) + s0.shape[1:])
     out = jnp.zeros((b, n, hk, hv // hk, dv), jnp.float32)
     states, out = jax.lax.fori_loop(0, n, step, (states, out))
     return ungroup_heads(out, 2).astype(v.dtype), ungroup_heads(states, 2)
