@@ -383,3 +383,40 @@ def test_tree_logits_is_verify_logits_arena_only_read(kernels, llms):
     finally:
         for rid in rows:
             mm.free(rid)
+
+
+def test_snapshot_verify_holds_one_layers_states():
+    """The snapshot verify into the arena keeps one GDN layer's per-node states alive at a
+    time (each layer's written as verified, its state buffer started from the layer's input),
+    not every layer's: its scratch memory grows by less than one layer's states when four GDN
+    layers are added."""
+    from gdn_jax.models.config import FULL, LINEAR
+    from tests.serving.conftest import tiny_config
+
+    b, hv, dk = 4, 8, 64
+    spec = SpecConfig(method="ngram", tree=(2, 2), verify="snapshot")
+    n = spec.num_nodes
+    temps = []
+    for gdn_layers in (2, 6):
+        cfg = tiny_config(
+            num_hidden_layers=gdn_layers + 1,
+            layer_types=(LINEAR,) * gdn_layers + (FULL,),
+            linear_num_value_heads=hv,
+            linear_key_head_dim=dk,
+            linear_value_head_dim=dk,
+            mtp_num_hidden_layers=0,
+        )
+        geom = dict(GEOM, memory_budget=32 << 20)
+        llm = LLM(cfg, load_format="dummy", speculative=spec, **geom)
+        r = llm.runner
+        i32 = np.int32
+        args = (
+            r._state, r._buf, r.table(), np.full(b, -1, i32),
+            np.full((b, llm.scheduler.pages_per_seq), -1, i32), np.zeros(b, i32),
+            np.zeros((b, n), i32), np.tile(np.array([-1, 0, 0, 1, 1, 2, 2], i32), (b, 1)),
+            np.full((b, n), -1, i32),
+        )  # fmt: skip
+        compiled = r._verify.traced.lower(*args, snapshot=True).compile()
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+    layer_states = b * n * hv * dk * dk * 4
+    assert temps[1] - temps[0] < layer_states, (temps, layer_states)
