@@ -87,6 +87,7 @@ def run(
     dtype: str = "float32",
     kernels: str = "auto",
     num_scheduler_steps: int = 1,
+    async_scheduling: bool = False,
     json_path: str | None = None,
     progress: bool = True,
     load_format: str = "auto",
@@ -117,6 +118,7 @@ def run(
         dtype=dtype,
         kernels=kernels,
         num_scheduler_steps=num_scheduler_steps,
+        async_scheduling=async_scheduling,
     )
     params = SamplingParams(max_tokens=max_tokens)
     rows = []

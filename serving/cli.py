@@ -122,6 +122,7 @@ def _generate(args) -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
+        async_scheduling=args.async_scheduling,
         load_format=args.load_format,
         **_parallel(args),
     )
@@ -158,6 +159,7 @@ def _serve(args) -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
+        async_scheduling=args.async_scheduling,
         kernels=args.kernels,
         load_format=args.load_format,
         **_parallel(args),
@@ -208,6 +210,7 @@ def _bench(args) -> None:
         dtype=args.dtype,
         kernels=args.kernels,
         num_scheduler_steps=args.num_scheduler_steps,
+        async_scheduling=args.async_scheduling,
         json_path=args.json,
         load_format="dummy" if args.config else "auto",
         repeats=args.repeats,
@@ -289,6 +292,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="steps per engine step, dispatched back to back with the tokens fed on the "
         "device: plain decoding, or speculation drafted on the device (draft model, "
         "MTP, n-gram static trees) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="overlap plain decoding's steps with the host: dispatch decode step t+1 before "
+        "fetching step t's tokens (LLM(async_scheduling=True))",
     )
     p.add_argument(
         "--dtype",
@@ -455,6 +464,12 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="LLM(num_scheduler_steps=...) of every engine: plain decode steps, or "
         "speculative steps drafted on the device, per engine step, back to back (default: "
         "%(default)s)",
+    )
+    b.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="LLM(async_scheduling=True) of every engine: plain decoding's steps overlapped "
+        "with the host",
     )
     _spec_args(b, bench=True)
     b.set_defaults(func=_bench)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from serving.acceptance import greedy_accept, rejection_accept, target_probs
@@ -44,9 +46,13 @@ class Engine:
         draft_runner: ModelRunner | ArenaRunner | None = None,
         progress=None,
         num_scheduler_steps: int = 1,
+        async_scheduling: bool = False,
     ):
         self.runner = runner
         self.num_scheduler_steps = num_scheduler_steps
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None  # the dispatched, unfetched decode step
+        self.async_steps = 0  # decode steps dispatched while the one before was in flight
         self.sched = scheduler
         self.max_num_seqs = max_num_seqs
         self.buckets = tuple(sorted(batch_buckets))
@@ -203,6 +209,10 @@ class Engine:
         return max(k, 1)
 
     def step(self) -> None:
+        if self.async_scheduling and self.spec is None:
+            if self._step_async():
+                return
+        self._drain()
         s = self.sched
         s.admit(self.max_num_seqs, self.chunk)
         ahead = self._steps_ahead()
@@ -235,6 +245,87 @@ class Engine:
                 self._decode_ahead(decodes, ahead)
             else:
                 self._decode(decodes)
+
+    # ------------------------------------------------------------------- async scheduling
+
+    def _step_async(self) -> bool:
+        """One engine step with plain decoding's steps overlapped: admit, reserve and dispatch
+        decode step t+1 while step t is still on the device (its tokens fed to t+1 there),
+        then fetch step t's tokens and emit them (as vLLM's async scheduling does); False when
+        the step must run in order (:meth:`step`'s body, after :meth:`_drain`): a request
+        prefills (admission), or no decode step is in flight and none can start.
+
+        A request sure to finish in step t (its ``max_tokens``) is left out of t+1; one that
+        stops there on a stop token is in t+1 too, and that token is dropped. A request
+        preempted while step t runs loses step t's token and recomputes it after readmission
+        (same key, same token). Writes of step t+1 into memory released by a request that
+        finished in step t land before any later step reuses it (device order)."""
+        s = self.sched
+        s.admit(self.max_num_seqs, self.chunk)
+        if any(r.prefilling for r in s.running):
+            return False
+        fl = self._inflight
+        row_of = {} if fl is None else {id(r): i for i, r in enumerate(fl.reqs)}
+
+        def pending(r) -> int:  # tokens of the in-flight step not yet emitted
+            return int(id(r) in row_of)
+
+        for req in list(s.running):
+            if req in s.running:
+                s.reserve(req, req.computed + pending(req) + 1)
+        reqs = [
+            r for r in s.running if len(r.output) + pending(r) < r.params.max_tokens
+        ]  # fmt: skip
+        if not reqs:
+            if fl is None:
+                return False
+            self._finish_inflight()
+            return True
+        (ids, table, lengths), _ = self._rows(reqs)
+        b = ids.shape[0]
+        host = np.zeros(b, np.int32)
+        src = np.full(b, -1, np.int32)
+        for i, r in enumerate(reqs):
+            if id(r) in row_of:
+                src[i] = row_of[id(r)]
+                lengths[i] += 1
+            else:
+                host[i] = r.output[-1]
+        tokens = host
+        if fl is not None and (src >= 0).any():
+            tokens = _feed(fl.tokens, src, host)
+            self.async_steps += 1
+        logits, am, _ = self.runner.decode(ids, table, lengths, tokens)
+        if all(r.params.greedy for r in reqs):
+            nxt = am
+        else:
+            seeds, temp, top_k, top_p = self._sampling(reqs, b)
+            for i, r in enumerate(reqs):
+                seeds[i, 2] += np.uint32(pending(r))  # the output position of this token
+            nxt = sample_rows(logits, seeds, temp, top_k, top_p)
+        epochs = [r.preemptions for r in reqs]
+        nxt_fl = _InFlight(reqs, epochs, nxt)
+        if fl is not None:
+            self._finish_inflight()
+        self._inflight = nxt_fl
+        return True
+
+    def _finish_inflight(self) -> None:
+        """Fetches the in-flight decode step's tokens and emits them to the requests still
+        running as they were when it was dispatched (not finished, not preempted since)."""
+        fl, self._inflight = self._inflight, None
+        out = np.asarray(fl.tokens)
+        now = time.perf_counter()
+        for i, r in enumerate(fl.reqs):
+            if r.finished or r not in self.sched.running or r.preemptions != fl.epochs[i]:
+                continue
+            r.computed += 1
+            self._emit(r, [int(out[i])], now)
+
+    def _drain(self) -> None:
+        """Completes a decode step left in flight by :meth:`_step_async`."""
+        if self._inflight is not None:
+            self._finish_inflight()
 
     def _prefill(self, reqs: list[Request]) -> None:
         rows, draft_rows = self._rows(reqs)
@@ -447,6 +538,21 @@ class Engine:
                 r.hidden = hidden[i, paths[i, m - 1]]
             r.accept_lengths.append(m)
             self._emit(r, [tb.tokens[j] for j in paths[i, 1:m]] + [nexts[i]], now)
+
+
+class _InFlight:
+    """A decode step dispatched and not fetched: its requests (row order), their preemption
+    counts when dispatched, and its next tokens on the device."""
+
+    def __init__(self, reqs: list[Request], epochs: list[int], tokens):
+        self.reqs, self.epochs, self.tokens = reqs, epochs, tokens
+
+
+@jax.jit
+def _feed(prev, src, host):
+    """The next decode step's tokens on the device: row ``i`` takes ``prev[src[i]]`` (the
+    in-flight step's token of its request) where ``src[i] >= 0``, else ``host[i]``."""
+    return jnp.where(src >= 0, prev[jnp.maximum(src, 0)], host).astype(jnp.int32)
 
 
 def _device_speculator(runner, spec: SpecConfig, drafter, draft_runner):

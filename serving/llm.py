@@ -221,6 +221,12 @@ class LLM:
         tokens as one step at a time. The tokens reach the host, and the scheduler admits
         requests, once per engine step. N-gram budget trees (drafted on the host) and steps
         with a prefilling request take one step. Default 1.
+      async_scheduling: plain decoding's steps overlapped with the host (vLLM's async
+        scheduling): the engine admits, reserves and dispatches decode step t+1 while step t
+        runs, t's tokens fed to t+1 on the device, then fetches t's tokens; requests join and
+        leave between any two steps, and the tokens are those of one step at a time. A step
+        with a prefilling request, and speculative steps, run in order. Not with
+        ``num_scheduler_steps > 1``. Default False.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
@@ -284,6 +290,7 @@ class LLM:
         batch_buckets: Sequence[int] | None = None,
         cuda_graph_max_tokens: int | None = DEFAULT_GRAPH_TOKENS,
         num_scheduler_steps: int = 1,
+        async_scheduling: bool = False,
         segment_bytes: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
@@ -308,6 +315,13 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
+        if async_scheduling and num_scheduler_steps > 1:
+            raise ValueError(
+                "async_scheduling: not with num_scheduler_steps > 1 "
+                f"(got {num_scheduler_steps}); pick one way to overlap the host"
+            )
         if not all(
             isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= prefill_chunk
             for w in prefill_buckets
@@ -542,6 +556,7 @@ class LLM:
             drafter=drafter,
             draft_runner=draft_runner,
             num_scheduler_steps=num_scheduler_steps,
+            async_scheduling=async_scheduling,
         )
         self.max_model_len = pages_per_seq * page_size
         self._depth = speculative.max_depth if speculative else 0
