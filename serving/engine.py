@@ -209,7 +209,7 @@ class Engine:
         return max(k, 1)
 
     def step(self) -> None:
-        if self.async_scheduling and self.spec is None:
+        if self.async_scheduling and (self.spec is None or self._drafts_on_device):
             if self._step_async():
                 return
         self._drain()
@@ -249,30 +249,35 @@ class Engine:
     # ------------------------------------------------------------------- async scheduling
 
     def _step_async(self) -> bool:
-        """One engine step with plain decoding's steps overlapped: admit, reserve and dispatch
-        decode step t+1 while step t is still on the device (its tokens fed to t+1 there),
-        then fetch step t's tokens and emit them (as vLLM's async scheduling does); False when
-        the step must run in order (:meth:`step`'s body, after :meth:`_drain`): a request
-        prefills (admission), or no decode step is in flight and none can start.
+        """One engine step overlapped with the device (vLLM's async scheduling): admit,
+        reserve and dispatch step t+1 while step t is still on the device, t+1's rows fed
+        their request's outputs of t there, then fetch step t's tokens and emit them. Plain
+        decode steps (a row takes its request's token of t) and speculative steps drafted on
+        the device (a row's root, length, random-stream position and MTP hidden state or
+        n-gram tokens advance by what its request emitted in t: ``DeviceSpeculator.dispatch``).
+        False when the step must run in order (:meth:`step`'s body, after :meth:`_drain`): a
+        request prefills (admission), or no step is in flight and none can start.
 
         A request sure to finish in step t (its ``max_tokens``) is left out of t+1; one that
-        stops there on a stop token is in t+1 too, and that token is dropped. A request
-        preempted while step t runs loses step t's token and recomputes it after readmission
-        (same key, same token). Writes of step t+1 into memory released by a request that
-        finished in step t land before any later step reuses it (device order)."""
+        stops there on a stop token, or reaches its limit on more tokens than one, is in t+1
+        too, and its t+1 tokens are dropped. A request preempted while step t runs loses
+        step t's tokens and recomputes them after readmission (same keys, same tokens).
+        Writes of step t+1 into memory released by a request that finished in step t land
+        before any later step reuses it (device order)."""
         s = self.sched
         s.admit(self.max_num_seqs, self.chunk)
         if any(r.prefilling for r in s.running):
             return False
         fl = self._inflight
         row_of = {} if fl is None else {id(r): i for i, r in enumerate(fl.reqs)}
+        per_step = 1 + self.depth if self.spec is not None else 1
 
-        def pending(r) -> int:  # tokens of the in-flight step not yet emitted
+        def pending(r) -> int:  # steps of r in flight (at least one token each)
             return int(id(r) in row_of)
 
         for req in list(s.running):
             if req in s.running:
-                s.reserve(req, req.computed + pending(req) + 1)
+                s.reserve(req, req.computed + (pending(req) + 1) * per_step)
         reqs = [
             r for r in s.running if len(r.output) + pending(r) < r.params.max_tokens
         ]  # fmt: skip
@@ -281,46 +286,84 @@ class Engine:
                 return False
             self._finish_inflight()
             return True
-        (ids, table, lengths), _ = self._rows(reqs)
-        b = ids.shape[0]
-        host = np.zeros(b, np.int32)
+        rows, _ = self._rows(reqs)
+        b = rows[0].shape[0]
         src = np.full(b, -1, np.int32)
         for i, r in enumerate(reqs):
-            if id(r) in row_of:
-                src[i] = row_of[id(r)]
-                lengths[i] += 1
+            src[i] = row_of.get(id(r), -1)
+        if fl is not None and (src >= 0).any():
+            self.async_steps += 1
+        if self.spec is not None:
+            nxt = self._dispatch_spec(reqs, rows, src, fl)
+        else:
+            nxt = self._dispatch_decode(reqs, rows, src, fl)
+        if fl is not None:
+            self._finish_inflight()
+        self._inflight = nxt
+        return True
+
+    def _dispatch_decode(self, reqs, rows, src, fl) -> _InFlight:
+        ids, table, lengths = rows
+        b = ids.shape[0]
+        host = np.zeros(b, np.int32)
+        for i, r in enumerate(reqs):
+            if src[i] >= 0:
+                lengths[i] += 1  # its token of the step in flight is cached by this one
             else:
                 host[i] = r.output[-1]
-        tokens = host
-        if fl is not None and (src >= 0).any():
-            tokens = _feed(fl.tokens, src, host)
-            self.async_steps += 1
+        tokens = _feed(fl.tokens, src, host) if (src >= 0).any() else host
         logits, am, _ = self.runner.decode(ids, table, lengths, tokens)
         if all(r.params.greedy for r in reqs):
             nxt = am
         else:
             seeds, temp, top_k, top_p = self._sampling(reqs, b)
-            for i, r in enumerate(reqs):
-                seeds[i, 2] += np.uint32(pending(r))  # the output position of this token
+            seeds[:, 2] += (src >= 0).astype(np.uint32)  # this token's output position
             nxt = sample_rows(logits, seeds, temp, top_k, top_p)
-        epochs = [r.preemptions for r in reqs]
-        nxt_fl = _InFlight(reqs, epochs, nxt)
-        if fl is not None:
-            self._finish_inflight()
-        self._inflight = nxt_fl
-        return True
+        return _InFlight(reqs, [r.preemptions for r in reqs], nxt)
+
+    def _dispatch_spec(self, reqs, rows, src, fl) -> _InFlight:
+        b = rows[0].shape[0]
+        root = np.zeros(b, np.int32)
+        for i, r in enumerate(reqs):
+            root[i] = r.output[-1]  # a fed row's is replaced on the device
+        seeds, temp, top_k, top_p = self._sampling(reqs, b)
+        hidden = None
+        if isinstance(self.drafter, MTPDrafter):
+            h = next(r.hidden for r in reqs if r.hidden is not None)
+            hidden = np.zeros((b, h.shape[-1]), h.dtype)
+            for i, r in enumerate(reqs):
+                if src[i] < 0:
+                    hidden[i] = r.hidden
+        elif self.device_spec.history:
+            hidden = self._history(reqs, b)
+        packed, hid = self.device_spec.dispatch(
+            *rows, root, self._scratch(reqs, b), seeds, temp, top_k, top_p, hidden=hidden,
+            prev=None if fl is None else fl.tokens, prev_hidden=None if fl is None else fl.hidden,
+            src=src,
+        )  # fmt: skip
+        return _InFlight(reqs, [r.preemptions for r in reqs], packed, hid)
 
     def _finish_inflight(self) -> None:
-        """Fetches the in-flight decode step's tokens and emits them to the requests still
-        running as they were when it was dispatched (not finished, not preempted since)."""
+        """Fetches the step in flight and emits its tokens to the requests still running as
+        they were when it was dispatched (not finished, not preempted since)."""
         fl, self._inflight = self._inflight, None
-        out = np.asarray(fl.tokens)
+        spec = fl.tokens.ndim == 2  # a speculative step's packed tokens and counts
+        mtp = spec and isinstance(self.drafter, MTPDrafter)
+        out, hidden = jax.device_get((fl.tokens, fl.hidden if mtp else None))
         now = time.perf_counter()
         for i, r in enumerate(fl.reqs):
             if r.finished or r not in self.sched.running or r.preemptions != fl.epochs[i]:
                 continue
-            r.computed += 1
-            self._emit(r, [int(out[i])], now)
+            if not spec:
+                r.computed += 1
+                self._emit(r, [int(out[i])], now)
+                continue
+            m = int(out[i, -1])
+            r.computed += m
+            r.accept_lengths.append(m)
+            if mtp:
+                r.hidden = hidden[i]
+            self._emit(r, [int(t) for t in out[i, :m]], now)
 
     def _drain(self) -> None:
         """Completes a decode step left in flight by :meth:`_step_async`."""
@@ -541,11 +584,12 @@ class Engine:
 
 
 class _InFlight:
-    """A decode step dispatched and not fetched: its requests (row order), their preemption
-    counts when dispatched, and its next tokens on the device."""
+    """A step dispatched and not fetched: its requests (row order), their preemption counts
+    when dispatched, and on the device its next tokens (decode: ``[B]``; speculative: the
+    emitted tokens then their count, ``[B, depth + 2]``) and the drafter's ``hidden``."""
 
-    def __init__(self, reqs: list[Request], epochs: list[int], tokens):
-        self.reqs, self.epochs, self.tokens = reqs, epochs, tokens
+    def __init__(self, reqs: list[Request], epochs: list[int], tokens, hidden=None):
+        self.reqs, self.epochs, self.tokens, self.hidden = reqs, epochs, tokens, hidden
 
 
 @jax.jit

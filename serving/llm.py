@@ -221,12 +221,14 @@ class LLM:
         tokens as one step at a time. The tokens reach the host, and the scheduler admits
         requests, once per engine step. N-gram budget trees (drafted on the host) and steps
         with a prefilling request take one step. Default 1.
-      async_scheduling: plain decoding's steps overlapped with the host (vLLM's async
-        scheduling): the engine admits, reserves and dispatches decode step t+1 while step t
-        runs, t's tokens fed to t+1 on the device, then fetches t's tokens; requests join and
-        leave between any two steps, and the tokens are those of one step at a time. A step
-        with a prefilling request, and speculative steps, run in order. Not with
-        ``num_scheduler_steps > 1``. Default False.
+      async_scheduling: steps overlapped with the host (vLLM's async scheduling): the engine
+        admits, reserves and dispatches step t+1 while step t runs, t's outputs fed to t+1 on
+        the device, then fetches t's tokens: plain decode steps, and speculative steps drafted
+        on the device (draft model, MTP, n-gram static trees; each row's root, length, random
+        stream and MTP hidden state or n-gram tokens advanced by its request's tokens of t).
+        Requests join and leave between any two steps, and the tokens are those of one step
+        at a time. A step with a prefilling request, and trees built on the host, run in
+        order. Not with ``num_scheduler_steps > 1``. Default False.
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory

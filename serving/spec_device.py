@@ -672,7 +672,8 @@ def _chained_program(key: ProgramKey):
         step = jnp.where(live, count, 0)
         rows = ints[:b]
         rows = rows.at[:, 1 + mp].add(step)  # lengths
-        rows = rows.at[:, 2 + mp].set(jnp.where(live, last[:, 0], rows[:, 2 + mp]))  # roots
+        # roots: a row fed no tokens (count 0: async scheduling's new rows) keeps its own
+        rows = rows.at[:, 2 + mp].set(jnp.where(live & (count > 0), last[:, 0], rows[:, 2 + mp]))
         rows = rows.at[:, 3 + mp + 2 * n + s + 2].add(step)  # seeds' position
         ints = jnp.concatenate([rows, ints[b:]], axis=0)
         packed, hidden_next, buf, table = inner.fn(tflat, dflat, buf, table, ints, floats, hidden)
@@ -682,6 +683,19 @@ def _chained_program(key: ProgramKey):
         return (args[4].shape[0] - key.table_rows) * key.nodes
 
     return launch.ByTokens(chained, key.graph_tokens, 4, count=tree_tokens, donate_argnums=(2, 3))
+
+
+@jax.jit
+def _gather_rows(prev, src):
+    """``prev``'s rows by ``src`` (``-1``: a zero row, i.e. no tokens emitted)."""
+    return jnp.where((src >= 0)[:, None], prev[jnp.maximum(src, 0)], 0)
+
+
+@jax.jit
+def _feed_rows(prev, src, host):
+    """Row ``i``: ``prev[src[i]]`` where ``src[i] >= 0``, else ``host[i]``."""
+    ok = (src >= 0).reshape((-1,) + (1,) * (host.ndim - 1))
+    return jnp.where(ok, prev[jnp.maximum(src, 0)], host).astype(host.dtype)
 
 
 def pack_inputs(
@@ -812,6 +826,60 @@ class DeviceSpeculator:
             steps=1, hidden=hidden, tokens=tokens, parents=parents, forced=forced,
         )  # fmt: skip
         return out[0], counts[0], hid
+
+    def dispatch(
+        self,
+        handles,
+        pages,
+        lengths,
+        root,
+        scratch,
+        seeds,
+        temp,
+        top_k,
+        top_p,
+        *,
+        hidden=None,
+        prev=None,
+        prev_hidden=None,
+        src=None,
+    ):
+        """One step dispatched and not fetched (async scheduling): returns the device values
+        ``(packed int32 [B, depth + 2]`` (emitted tokens, then their count), ``hidden)`` (the
+        MTP drafter's next hidden states, the n-gram drafter's rows' tokens with the emitted
+        ones appended, else None). ``prev``, ``prev_hidden``: a step still in flight, ``src
+        int32 [B]``: each row's row in it (``-1``: none): such a row's root, length and
+        random-stream position advance by its emitted tokens there and its ``hidden`` row is
+        that step's, on the device (:func:`_chained_program`); the other rows take the host's
+        inputs as given."""
+        if not self.chains:
+            raise ValueError(f"dispatch needs trees drafted on the device, got {self.drafter!r}")
+        r = self.runner
+        b = root.shape[0]
+        tokens = parents = np.zeros((b, self.num_nodes), np.int32)
+        if self.drafter != "mtp" and not self.history:
+            hidden = prev_hidden = None
+        self.calls += 1
+        ints, floats = pack_inputs(
+            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p
+        )
+        table, delta = r.table_delta(TABLE_DELTA_ROWS)
+        ints = with_table_delta(ints, delta)
+        sampling = bool(np.any(temp > 0))
+        fed = prev is not None and src is not None and bool((src >= 0).any())
+        if not fed:
+            packed, hidden, r._buf, table = self._programs[sampling](
+                r._state, self._dstate, r._buf, table, ints, floats, hidden
+            )
+        else:
+            prev = _gather_rows(prev, src)
+            if hidden is not None and prev_hidden is not None:
+                hidden = _feed_rows(prev_hidden, src, hidden)
+            packed, hidden, r._buf, table, _ = self._chained[sampling](
+                r._state, self._dstate, r._buf, table, ints, floats, hidden, prev
+            )
+        r.adopt_table(table)
+        return packed, hidden
 
     def ahead(
         self,

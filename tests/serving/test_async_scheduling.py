@@ -98,3 +98,32 @@ def test_async_scheduling_bad_input(target):
         LLM(target, async_scheduling=True, num_scheduler_steps=2, **ENGINE)
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(target, async_scheduling="yes", **ENGINE)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "mtp", "ngram"])
+def test_async_speculative_steps_give_the_same_tokens(method):
+    """Speculative steps drafted on the device, overlapped (each row's root, length, random
+    stream and MTP hidden state or n-gram tokens fed from the step in flight on the device):
+    the same tokens as one step at a time, greedy with a stop token and uneven limits, and
+    sampled, with requests joining mid-run."""
+    from serving import SpecConfig
+    from serving.bench import ASSETS
+
+    tiny = dict(dtype="float32", max_num_seqs=4, batch_buckets=(2, 4), max_model_len=96)
+    prompts6 = [[5, 6, 7, 8, 9], [9, 10, 11], [40, 41, 42, 43, 44, 45, 46], [3], [7, 7, 8], [60]]
+    draft = ASSETS / "draft" if method == "draft_model" else None
+    spec = SpecConfig(method=method, draft_model=draft, tree=(2, 1))
+    one = LLM(ASSETS / "target", **tiny, speculative=spec)
+    ref = [o.token_ids for o in one.generate(prompts6, SamplingParams(max_tokens=13))]
+    stop = ref[0][6]
+    greedy = [SamplingParams(max_tokens=[13, 13, 7, 10, 9, 12][i]) for i in range(6)]
+    greedy[0] = SamplingParams(max_tokens=13, stop_token_ids=[stop])
+    sampled = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=s) for s in range(6)]
+    cases = [greedy] + ([sampled] if method != "mtp" else [])
+    llm = LLM(ASSETS / "target", **tiny, speculative=spec, async_scheduling=True)
+    for params in cases:
+        want = [o.token_ids for o in one.generate(prompts6, params)]
+        before = llm.engine.async_steps
+        got = [o.token_ids for o in llm.generate(prompts6, params)]
+        assert got == want
+        assert llm.engine.async_steps - before >= 3
