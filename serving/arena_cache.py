@@ -595,7 +595,7 @@ class ArenaCache:
     def write_snapshot_states(self, layer: int, states: jax.Array, scratch: jax.Array):
         """GDN layer ``layer``'s per-node states ``[B, N, Hv, K, V]`` (the snapshot verify)
         written into the rows' ``snapshot`` units (``scratch int32 [B, N]``, ``-1``: dropped)
-        at once, not queued: :func:`gdn_jax.models.steps.verify_tree` (``snapshot_into``)
+        at once, not queued: :func:`gdn_jax.models.steps.verify_tree` (``snapshot_sink``)
         hands each layer's states here as it computes them and reads the later layers through
         the returned cache, so every read of the buffer comes before the writes that follow
         it, each write is in place, and one layer's states are alive at a time instead of

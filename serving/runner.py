@@ -273,11 +273,11 @@ _TREE_QK_L2NORM = True
 
 
 def snapshot_sink(cache, scratch, snapshot: bool):
-    """``verify_tree``'s ``snapshot_into`` for a snapshot verify into the arena: the scratch
-    handles where the cache writes each layer's states as verified
-    (``ArenaCache.write_snapshot_states``), else None."""
+    """``verify_tree``'s ``snapshot_sink`` for a snapshot verify into the arena: each layer's
+    states written into the rows' snapshot units (``scratch``) as verified
+    (``ArenaCache.write_snapshot_states``); None otherwise."""
     if snapshot and scratch is not None and hasattr(cache, "write_snapshot_states"):
-        return scratch
+        return lambda c, layer, states: c.write_snapshot_states(layer, states, scratch)
     return None
 
 
@@ -328,9 +328,9 @@ def _arena_programs(
                 f"verify(snapshot={snapshot}): scratch handles must be int32 "
                 f"{'[B, N] snapshot' if snapshot else '[B] stash'} units, got {scratch.shape}"
             )
-        into = snapshot_sink(cache, scratch, snapshot)
+        sink = snapshot_sink(cache, scratch, snapshot)
         logits, tree, hidden, *written = steps.verify_tree(
-            m, tokens, parents, cache, return_hidden=True, snapshot=snapshot, snapshot_into=into
+            m, tokens, parents, cache, return_hidden=True, snapshot=snapshot, snapshot_sink=sink
         )
         cache = written[0] if written else cache
         logits = logits.astype(jnp.float32)

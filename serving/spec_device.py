@@ -578,10 +578,10 @@ def _program(key: ProgramKey):
             draft_logits = None
         tm = nnx.merge(key.target, tstate)
         cache = target_cache(buf, table, handles, pages, lengths, defer=True)
-        into = snapshot_sink(cache, scratch, key.snapshot)
+        sink = snapshot_sink(cache, scratch, key.snapshot)
         logits, tstate_tree, hid, *written = steps.verify_tree(
             tm, tokens, parents, cache, return_hidden=True, snapshot=key.snapshot,
-            snapshot_into=into,
+            snapshot_sink=sink,
         )  # fmt: skip
         cache = written[0] if written else cache
         logits = logits.astype(jnp.float32)

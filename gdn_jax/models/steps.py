@@ -149,7 +149,7 @@ def verify_tree(
     *,
     return_hidden: bool = False,
     snapshot: bool = False,
-    snapshot_into=None,
+    snapshot_sink=None,
 ):
     """Logits of every draft node as if its root-to-node path had been decoded after the
     committed tokens; the cache is not modified. Returns ``(logits [B, N, V], TreeState)``,
@@ -157,11 +157,11 @@ def verify_tree(
 
     ``snapshot=True`` verifies the GDN layers by per-node state snapshots (the vLLM/SGLang
     method; ``TreeState.gdn`` then holds ``[B, N, Hv, K, V]`` states per layer) with everything
-    else identical, so both methods give the same logits. ``snapshot_into`` (with
-    ``snapshot``; a cache with ``write_snapshot_states``, e.g. the serving engine's arena):
-    each GDN layer's states go to ``cache.write_snapshot_states(layer, states,
-    snapshot_into)`` as soon as they are computed, the later layers read through the cache it
-    returns, ``TreeState.gdn`` holds ``None`` per layer, and that cache comes back last."""
+    else identical, so both methods give the same logits. ``snapshot_sink`` (with ``snapshot``):
+    ``cache = snapshot_sink(cache, layer, states)`` takes each GDN layer's per-node states as
+    soon as they are computed (the serving engine writes them into its arena,
+    ``ArenaCache.write_snapshot_states``); the later layers read through the cache it returns,
+    ``TreeState.gdn`` holds ``None`` per layer, and that cache comes back last."""
     b, n = tokens.shape
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     incl = ancestor_closure(parents)  # [B, N, N]: i on path(n)
@@ -180,8 +180,8 @@ def verify_tree(
             mixed, tc, qkv = layer.linear_attn.tree(
                 h, parents, conv, ssm, snapshot=snapshot, rule=rule
             )
-            if snapshot and snapshot_into is not None:
-                cache = cache.write_snapshot_states(gi, tc, snapshot_into)
+            if snapshot and snapshot_sink is not None:
+                cache = snapshot_sink(cache, gi, tc)
                 tc = None
             gdn.append(tc)
             conv_in.append(qkv)
@@ -207,7 +207,7 @@ def verify_tree(
     state = TreeState(tuple(gdn), _stack(conv_in), _stack(dks), _stack(dvs))
     hidden = model.norm(x)
     out = (model.logits(hidden), state, hidden) if return_hidden else (model.logits(hidden), state)
-    return (*out, cache) if snapshot and snapshot_into is not None else out
+    return (*out, cache) if snapshot and snapshot_sink is not None else out
 
 
 def _stack(xs: list[jax.Array]) -> jax.Array:
