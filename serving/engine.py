@@ -51,8 +51,8 @@ class Engine:
         self.runner = runner
         self.num_scheduler_steps = num_scheduler_steps
         self.async_scheduling = async_scheduling
-        self._inflight: _InFlight | None = None  # the dispatched, unfetched decode step
-        self.async_steps = 0  # decode steps dispatched while the one before was in flight
+        self._inflight: _InFlight | None = None  # the dispatched, unfetched step (async scheduling)
+        self.async_steps = 0  # steps fed on the device by the step still in flight
         self.sched = scheduler
         self.max_num_seqs = max_num_seqs
         self.buckets = tuple(sorted(batch_buckets))
