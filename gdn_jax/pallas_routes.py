@@ -230,5 +230,24 @@ def _route_auto(logits, k) -> bool:
     return True
 
 
-PALLAS_OPS.update(routed_experts=routed_experts, route_topk=route_topk)
-AUTO_PALLAS.update(routed_experts=_moe_auto, route_topk=_route_auto)
+def snapshot_tree_verify(q, k, v, g, beta, parents, initial_state, *, scale, use_qk_l2norm):
+    """``(o, per-node states)`` of the snapshot baseline (see
+    :func:`gdn_jax.snapshot_tree_verify`): one fused kernel per layer where the XLA path runs a
+    loop of several kernels per node."""
+    return pallas_kernels.snapshot_verify(
+        q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        interpret=_interpret(),
+    )  # fmt: skip
+
+
+def _snapshot_auto(q, k, v) -> bool:
+    """``"auto"``: power-of-two head dims (the kernel's value-column blocks)."""
+    return _pow2_dim(k.shape[3]) and _pow2_dim(v.shape[3])
+
+
+PALLAS_OPS.update(
+    routed_experts=routed_experts, route_topk=route_topk, snapshot_tree_verify=snapshot_tree_verify
+)
+AUTO_PALLAS.update(
+    routed_experts=_moe_auto, route_topk=_route_auto, snapshot_tree_verify=_snapshot_auto
+)

@@ -2,7 +2,8 @@
 
 Every node ``n`` loads its parent's full state (``S0`` above a root), applies one recurrence step
 and stores its own ``[Hv, K, V]`` state: ``N`` snapshots per layer where tree WY keeps ``U``.
-Commit is then a copy of the accepted leaf's snapshot.
+Commit is then a copy of the accepted leaf's snapshot. ``impl="auto"`` runs the fused Pallas
+kernel (:func:`pallas_kernels.snapshot_verify`) on a GPU, the XLA loop below elsewhere.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gdn_jax._prep import (
     prepare_qk,
     ungroup_heads,
 )
+from gdn_jax.dispatch import pallas_op, resolve_impl
 from gdn_jax.tree_wy import _check_parents
 
 
@@ -35,15 +37,24 @@ def snapshot_tree_verify(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    impl: str = "auto",
 ) -> tuple[Float[Array, "B N Hv V"], Float[Array, "B N Hv K V"]]:
     """Per-node outputs and per-node states, one node at a time in topological order.
 
     ``S_n = step(S_parent(n), x_n)`` with the recurrence of docs/design.md; ``o_n = S_n^T q_n``.
     Returns ``(o [B, N, Hv, V] in v's dtype, snapshots f32 [B, N, Hv, K, V])``.
+
+    ``impl``: ``"xla"`` (a loop over the nodes), ``"pallas"`` (the fused GPU kernel; interpret
+    mode off a GPU) or ``"auto"`` (the kernel on a GPU for power-of-two head dims).
     """
     q, k, v, g, beta, parents, initial_state = as_arrays(q, k, v, g, beta, parents, initial_state)
     b, n, *_ = check_rule_inputs(q, k, v, g, beta, initial_state, time_name="N")
     parents = _check_parents(parents, b, n)
+    kernel = resolve_impl(impl, "snapshot_tree_verify", q, k, v)
+    if kernel != "xla":
+        return pallas_op("snapshot_tree_verify", kernel)(
+            q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
     return _snapshot_xla(
         q, k, v, g, beta, parents, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm
     )

@@ -230,8 +230,10 @@ class GatedDeltaNet(nnx.Module):
             o, cache = rule(q, k, v, g, beta, parents, use_qk_l2norm=True)
             return self.finish(o, z), cache, qkv
         if snapshot:
+            # the snapshot kernel is a GPU one (no TPU build): pallas_tpu runs the XLA loop
+            impl = "xla" if self.impl == "pallas_tpu" else self.impl
             o, cache = snapshot_tree_verify(
-                q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True
+                q, k, v, g, beta, parents, ssm_state, use_qk_l2norm=True, impl=impl
             )
         else:
             o, cache = tree_verify(

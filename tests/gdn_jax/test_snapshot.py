@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import chex
+import pytest
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,3 +37,41 @@ def test_snapshot_verify_and_commit(tree, shapes, seed):
         a = snapshot_tree_commit(s0, snaps, arr, plen)
         b = tree_commit(s0, cache, arr, plen)
         assert rel_err(a, b) < 2e-4 if m else np.array_equal(a, s0)
+
+
+# (Hk, Hv, K, V) the kernel takes: power-of-two head dims from 16, grouped heads, K != V
+KERNEL_SHAPES = [(1, 2, 16, 32), (2, 2, 32, 16)]
+
+
+@settings(max_examples=6, deadline=None)
+@given(tree=trees(), shapes=st.sampled_from(KERNEL_SHAPES), seed=st.integers(0, 2**31 - 1))
+def test_snapshot_impls_agree(tree, shapes, seed):
+    """The fused kernel (``impl="pallas"``, interpret mode here) and the XLA loop give the same
+    outputs and per-node states, both at float64's."""
+    hk, hv, dk, dv = shapes
+    rng = np.random.default_rng(seed)
+    n = tree.shape[0]
+    q, k, v, g, beta, s0 = make_inputs(rng, 2, n, hk, hv, dk, dv, decay="mixed")
+    parents = np.stack([tree, tree])
+    o64, st64 = tree64(q, k, v, g, beta, parents, s0, use_qk_l2norm=True)
+    real = tree >= -1
+    outs = {
+        impl: snapshot_tree_verify(q, k, v, g, beta, parents, s0, use_qk_l2norm=True, impl=impl)
+        for impl in ("xla", "pallas")
+    }
+    for impl, (o, snaps) in outs.items():
+        chex.assert_shape(snaps, (2, n, hv, dk, dv))
+        chex.assert_type(snaps, np.float32)
+        assert rel_err(np.asarray(o)[:, real], o64[:, real]) < 2e-4, impl
+        assert rel_err(np.asarray(snaps)[:, real], st64[:, real]) < 2e-4, impl
+
+
+def test_snapshot_impl_checked():
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta, s0 = make_inputs(rng, 1, 3, 1, 2, 16, 16, decay="mixed")
+    parents = np.array([[-1, 0, 0]])
+    with pytest.raises(ValueError, match="impl"):
+        snapshot_tree_verify(q, k, v, g, beta, parents, s0, impl="triton")
+    q, k, v, g, beta, s0 = make_inputs(rng, 1, 3, 1, 2, 4, 4, decay="mixed")
+    with pytest.raises(ValueError, match="K: the Pallas kernels need a power of two"):
+        snapshot_tree_verify(q, k, v, g, beta, parents, s0, impl="pallas")
