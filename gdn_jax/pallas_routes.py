@@ -15,7 +15,10 @@ verify for trees of at most :data:`AUTO_MAX_NODES` nodes with power-of-two head 
 tf32x3 / bf16x3 build fits the shared memory (at 128 nodes the kernel runs but is no faster
 than XLA); commit for the same node count and head dims and only from
 :data:`AUTO_COMMIT_MIN_ROWS` rows of ``B * Hv``; the chunked prefill for power-of-two head dims
-and chunks of 16 to 64 tokens.
+and chunks of 16 to 64 tokens. Also registered: the MoE kernels (``routed_experts``,
+``route_topk``) and the snapshot baseline's verify (``snapshot_tree_verify``,
+:func:`pallas_kernels.snapshot_verify`, for power-of-two head dims: one fused kernel per layer
+where the XLA path loops over the nodes with several kernels each).
 """
 
 from __future__ import annotations
