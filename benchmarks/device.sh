@@ -65,9 +65,11 @@
 #                       (cut to 4 and 8 layers, B 1/16/64, plain and tree WY), then the table
 #   serving_load        serving_load: Qwen3.5-35B-A3B, 40 layers, random bf16 weights, Poisson
 #                       rate sweep with replayed drafts; one call per WORKLOAD (sharegpt) and
-#                       METHODS (none; comma list), RATES optional ('sharegpt=1,4,inf'), LIMIT
-#                       (560 s); the oracle continuations are cached in $OUT/serving_load/oracle
-#                       (seeded from benchmarks/results/serving_load/oracle when present)
+#                       METHODS (none; comma list), RATES optional ('sharegpt=1,4,inf'), ARGS
+#                       (more arguments, e.g. '--requests 64 --batch-buckets 32 --max-num-seqs 32
+#                       --headroom-gib 24'), LIMIT (560 s); the oracle continuations are cached
+#                       in $OUT/serving_load/oracle (seeded from
+#                       benchmarks/results/serving_load/oracle when present)
 #   serving_load_policies serving_load: the memory policies on the shifting workload (tree WY)
 set -u
 OUT=${OUT:-/tmp/benchmarks_out}
@@ -286,6 +288,8 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
     else
       args+=(--policies no --workloads "$wl" --methods "$ms" ${RATES:+--rates "$RATES"})
     fi
+    # shellcheck disable=SC2206  # ARGS: extra arguments, split on spaces
+    args+=(${ARGS:-})
     TAILN=24 run "${LIMIT:-560}" serving_load "$name" python3 -m benchmarks.serving_load \
       "${args[@]}" --json "$(json serving_load "$name")"
     ;;
