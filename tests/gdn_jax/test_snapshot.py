@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import chex
-import pytest
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
