@@ -280,7 +280,7 @@ json.dump(c, open(sys.argv[1], "w"))' /tmp/qwen3_5_35b_a3b_8l.json
     local wl=${WORKLOAD:-sharegpt} ms=${METHODS:-none} oracle=$OUT/serving_load/oracle
     mkdir -p "$oracle"
     cp benchmarks/results/serving_load/oracle/*.json "$oracle"/ 2> /dev/null
-    local args=(--preset full --oracle-dir "$oracle")
+    local args=(--preset full --oracle-dir "$oracle" --compile-cache /tmp/serving_load_xla_cache)
     local name=h200_${wl}_${ms//,/_}
     if [ "$1" = serving_load_policies ]; then
       args+=(--policies only)

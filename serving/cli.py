@@ -500,7 +500,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def _compile_cache(directory: str) -> None:
+def compile_cache(directory: str) -> None:
     """XLA's persistent compilation cache: a second run loads the step programs from disk."""
     import jax
 
@@ -512,7 +512,7 @@ def _compile_cache(directory: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
-    _compile_cache(getattr(args, "compile_cache", ""))
+    compile_cache(getattr(args, "compile_cache", ""))
     if getattr(args, "out", None):
         Path(args.out).mkdir(parents=True, exist_ok=True)
     from serving.memory import OutOfMemoryError

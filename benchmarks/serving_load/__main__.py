@@ -40,6 +40,7 @@ from benchmarks.serving_load.run import (
     warm_up,
 )
 from benchmarks.serving_load.workload import PRESETS, make_workload, methods
+from serving.cli import compile_cache
 
 
 def _rates(spec: str | None, default: dict) -> dict:
@@ -107,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         "near-tied logits round differently in a verify than in a decode (default: the "
         "preset's; on for full)",
     )
+    ap.add_argument(
+        "--compile-cache",
+        default="",
+        metavar="DIR",
+        help="XLA's persistent compilation cache here ('' = off): a later run on the same "
+        "machine whose programs match loads them from disk instead of compiling again",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle-dir", help="cache of the oracle continuations (JSON per workload)")
     ap.add_argument("--json", help="write the results here (plots beside it)")
@@ -120,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         return _plot_main(argv[1:])
     args = _parser().parse_args(argv)
     t_start = time.perf_counter()
+    if args.compile_cache:
+        compile_cache(args.compile_cache)
     preset = dict(PRESETS[args.preset])
     if args.workloads:
         preset["workloads"] = tuple(args.workloads.split(","))
