@@ -827,6 +827,22 @@ class DeviceSpeculator:
         )  # fmt: skip
         return out[0], counts[0], hid
 
+    def _inputs(
+        self, handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p, tokens, parents,
+        forced,
+    ):  # fmt: skip
+        """A step's inputs packed (:func:`pack_inputs`; ``tokens``, ``parents`` None: trees
+        drafted on the device), the handle table's pending changes carried in them: ``(ints,
+        floats, table, sampling)``."""
+        if tokens is None:
+            tokens = parents = np.zeros((root.shape[0], self.num_nodes), np.int32)
+        ints, floats = pack_inputs(
+            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p,
+            forced,
+        )  # fmt: skip
+        table, delta = self.runner.table_delta(TABLE_DELTA_ROWS)
+        return with_table_delta(ints, delta), floats, table, bool(np.any(temp > 0))
+
     def dispatch(
         self,
         handles,
@@ -855,17 +871,12 @@ class DeviceSpeculator:
         if not self.chains:
             raise ValueError(f"dispatch needs trees drafted on the device, got {self.drafter!r}")
         r = self.runner
-        b = root.shape[0]
-        tokens = parents = np.zeros((b, self.num_nodes), np.int32)
         if self.drafter != "mtp" and not self.history:
             hidden = prev_hidden = None
         self.calls += 1
-        ints, floats = pack_inputs(
-            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p
+        ints, floats, table, sampling = self._inputs(
+            handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p, None, None, None
         )
-        table, delta = r.table_delta(TABLE_DELTA_ROWS)
-        ints = with_table_delta(ints, delta)
-        sampling = bool(np.any(temp > 0))
         fed = prev is not None and src is not None and bool((src >= 0).any())
         if not fed:
             packed, hidden, r._buf, table = self._programs[sampling](
@@ -917,22 +928,17 @@ class DeviceSpeculator:
                 f"{np.shape(tokens) if host_trees else 'none given'}, got {np.shape(forced)}"
             )
         r = self.runner
-        b = root.shape[0]
-        if tokens is None:
-            tokens = parents = np.zeros((b, self.num_nodes), np.int32)
         if self.drafter != "mtp" and not (self.history and not host_trees):
             hidden = None  # only the MTP drafter reads it (None: nothing moves to the device)
         self.calls += steps
-        ints, floats = pack_inputs(
-            handles, pages, lengths, root, tokens, parents, scratch, seeds, temp, top_k, top_p,
+        # the table's changes ride in ``ints``; later chained steps re-apply them (same rows)
+        ints, floats, table, sampling = self._inputs(
+            handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p, tokens, parents,
             forced,
         )  # fmt: skip
-        table, delta = r.table_delta(TABLE_DELTA_ROWS)
-        sampling = bool(np.any(temp > 0))
         first, chained = self._programs[sampling], self._chained[sampling]
         if host_trees:
             first = self._host_programs[sampling, forced is not None]
-        ints = with_table_delta(ints, delta)  # re-applied by later steps: the same rows
         packed, hidden, r._buf, table = first(
             r._state, self._dstate, r._buf, table, ints, floats, hidden
         )
