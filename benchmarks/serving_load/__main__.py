@@ -88,6 +88,16 @@ def _parser() -> argparse.ArgumentParser:
         help="run the memory-policy comparison (on the shift workload)",
     )
     ap.add_argument(
+        "--policy-method",
+        help="the method the memory-policy comparison serves with (default: the preset's)",
+    )
+    ap.add_argument(
+        "--policy-rate",
+        type=float,
+        help="requests / s of the memory-policy comparison's shifting workload, 'inf' for "
+        "all at once (default: the preset's)",
+    )
+    ap.add_argument(
         "--target-accept",
         type=float,
         default=3.0,
@@ -153,11 +163,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory_budget:
         mb = args.memory_budget
         preset["memory_budget"] = mb if mb == "auto" else int(float(mb))
+    if args.policy_method:
+        preset["avmp_method"] = args.policy_method
+    if args.policy_rate is not None:
+        if not args.policy_rate > 0:
+            raise SystemExit(f"--policy-rate: must be > 0, got {args.policy_rate}")
+        preset["shift_rate"] = args.policy_rate
     rates = _rates(args.rates, preset["rates"])
     table = methods(tuple(preset["tree"]), preset["chain"], tuple(preset["wide"]))
     unknown = [m for m in preset["methods"] if m not in table]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; known: {list(table)}")
+    if preset["avmp_method"] not in table:
+        raise SystemExit(
+            f"--policy-method: unknown {preset['avmp_method']!r}; known: {list(table)}"
+        )
     p1 = calibrate(args.target_accept, preset["chain"], args.decay)
     force = preset["force_replay"] if args.force_replay is None else args.force_replay
     replay = ReplayParams(p1, args.decay, args.sibling_hit, args.seed, force)
@@ -227,6 +247,15 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             write_json(args.json, {**doc, "partial": True})
 
+    def save_policy(row):
+        """The memory-policy rows likewise, as each policy is measured."""
+        part = doc["policies"] or {"rows": [], "rate": finite(preset["shift_rate"])}
+        part["rows"].append({**row, "rate": finite(row["rate"])})
+        doc["policies"] = part
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.json, {**doc, "partial": True})
+
     served = [workloads[w] for w in preset["workloads"]] if args.policies != "only" else []
     for key in preset["methods"] if served else ():
         run_method(
@@ -244,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
             replay,
             budget,
             preset["shift_rate"],
+            on_row=save_policy,
         )
         for r in policies["rows"]:
             r["rate"] = finite(r["rate"])

@@ -268,10 +268,13 @@ def run_method(
     return rows
 
 
-def policy_study(model, preset, method: Method, wl: Workload, oracle, replay, budget, rate):
+def policy_study(
+    model, preset, method: Method, wl: Workload, oracle, replay, budget, rate, on_row=None
+):
     """The same engine, method and budget under each memory policy on one shifting workload;
     paired-bootstrap 95% intervals of AVMP's gain in TTFT and latency against each baseline
-    (mean of baseline minus AVMP over the requests both completed; positive: AVMP faster)."""
+    (mean of baseline minus AVMP over the requests both completed; positive: AVMP faster).
+    ``on_row(row)`` is called with each policy's row as it is measured."""
     rows = {}
     n = wl.count(rate, preset.get("max_span_s"))
     for policy in POLICIES:
@@ -286,6 +289,8 @@ def policy_study(model, preset, method: Method, wl: Workload, oracle, replay, bu
             gc.collect()
         row.update(policy=policy, method=method.name, workload=wl.name, rate=rate)
         rows[policy] = row
+        if on_row is not None:
+            on_row(row)
         log(
             f"policy {policy}: {row['request_throughput']:.3g} req/s, {row['preemptions']} preemptions"
         )

@@ -116,6 +116,27 @@ def test_smoke_preset(tmp_path):
     assert (tmp_path / "smoke_ttft_cdf.png").exists()
 
 
+def test_policy_method_and_rate(tmp_path):
+    """``--policy-method`` and ``--policy-rate`` pick what the memory-policy comparison serves;
+    a binding budget still gives every policy the plain tokens."""
+    from benchmarks.serving_load.__main__ import main
+
+    for bad in (["--policy-method", "beam"], ["--policy-rate", "0"]):
+        with pytest.raises(SystemExit, match=bad[0]):
+            main(["--preset", "smoke", "--policies", "only", *bad])
+    out = tmp_path / "pol.json"
+    argv = ["--preset", "smoke", "--policies", "only", "--policy-method", "tree_wy"]
+    main([*argv, "--policy-rate", "inf", "--memory-budget", "700000", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [] and "partial" not in doc
+    pol = doc["policies"]
+    assert pol["rate"] == "inf" and len(pol["rows"]) == 4
+    for r in pol["rows"]:
+        assert r["method"] == "tree WY" and r["rate"] == "inf"
+        assert r["completed"] == r["requests"] and r["same_tokens_as_plain"] == 1.0
+        assert r["mean_acceptance_length"] > 1.5
+
+
 @pytest.mark.parametrize("key", ["tree_wy", "chain_snapshot"])
 def test_forced_replay_follows_any_oracle(key):
     """With ``force`` the engine emits the replayed continuation even where the model would
