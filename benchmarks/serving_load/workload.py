@@ -135,8 +135,8 @@ def make_workload(name: str, preset: dict, vocab: int, seed: int) -> Workload:
 
 
 # Every length in tokens; max_span_s caps a rate's arrivals (Workload.count); memory_budget in bytes or "auto" (what HBM leaves after the weights,
-# see run.auto_budget). The full preset's rates (requests / s) are set from the H200 figures
-# of benchmarks/README.md (serving) and are not measured yet; `inf` is the saturation point.
+# see run.auto_budget). The full preset's rates are in requests / s; `inf` is the saturation
+# point (benchmarks/serving_load/README.md has the H200 runs).
 PRESETS = {
     "smoke": dict(
         model="tiny",
