@@ -170,9 +170,10 @@ def _attention_misfits(spec: ArenaSpec, config) -> list[str]:
     out = []
     if jnp.dtype(spec.kv_dtype) not in (jnp.float32, jnp.bfloat16):
         out.append(f"the KV cache is {spec.kv_dtype}; the attention kernel reads f32 or bf16")
-    for name, x in (("page_size", spec.page_size), ("head_dim", spec.head_dim)):
-        if not _pow2(x):
-            out.append(f"{name} {x} is not a power of two >= 16")
+    if spec.page_size < 16 or spec.page_size % 16:
+        out.append(f"page_size {spec.page_size} is not a multiple of 16")
+    if not _pow2(spec.head_dim):
+        out.append(f"head_dim {spec.head_dim} is not a power of two >= 16")
     if config is not None and config.num_attention_heads % spec.kv_heads:
         out.append("num_attention_heads is not a multiple of num_key_value_heads")
     return out

@@ -40,7 +40,11 @@ bound (at most ``kv_len``; a recycled page holds arbitrary bits, NaN patterns in
 unmapped pages (handle ``-1``) read as zeros, as the XLA path's gather of them. A zero key
 below a query's limit scores 0 (as XLA's); every other position at or past the limit gets the
 score ``NEG`` (``-1e30``, finite), so it contributes nothing. The page table is padded with
-``-1`` to a power of two that is a multiple of ``pages_per_step``.
+``-1`` to a power of two that is a multiple of ``pages_per_step``. A page size that is a
+multiple of 16 but not a power of two (a page enlarged to hold a recurrent state, as a padded
+unified pool makes it) takes key tiles of the default size instead: key row ``k`` of step
+``j`` is position ``p = j * keys + k``, in page ``p // S`` at row ``p % S``, so a step may
+start and end inside a page.
 
 Key splits (:func:`paged_attention`, ``num_splits``): a fourth grid axis splits each program's
 loop steps into contiguous runs of whole steps. A program whose causal bound takes ``n`` steps
@@ -70,6 +74,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -133,7 +138,7 @@ def _kernel(
     layer,
     kv_offset,
     page_size,
-    pages_per_step,
+    keys,
     kv_heads,
     packed,
     splits=1,
@@ -182,21 +187,28 @@ def _kernel(
         hi = jnp.where(jnp.min(limit) > 0, jnp.max(limit), kv_len)
         limit = limit[:, None]
 
-    keys = page_size * pages_per_step
     mpp = pt_ref.shape[0]
     kr = _iota((keys,))  # key row within a step
     token_words = kv_heads * w  # words per token of a K or V block
     k_block = (2 * layer) * page_size * token_words + hk * w
     v_block = page_size * token_words  # the V block follows the K block
-    row_off = kv_offset + k_block + jax.lax.rem(kr, page_size) * token_words  # [keys]
     tile_col = _iota((keys, w), 1)
+    whole_pages = keys % page_size == 0  # a step covers whole pages (power-of-two pages)
+    if whole_pages:
+        row_off = kv_offset + k_block + jax.lax.rem(kr, page_size) * token_words  # [keys]
 
     def address(j):
         """``(segment, first word, handle)`` per key row of step ``j`` (``-1``: unmapped)."""
-        page = j * pages_per_step + jax.lax.div(kr, page_size)
+        if whole_pages:
+            page = j * (keys // page_size) + jax.lax.div(kr, page_size)
+            off = row_off
+        else:  # a step may start and end inside a page
+            pos = j * keys + kr
+            page = jax.lax.div(pos, page_size)
+            off = kv_offset + k_block + jax.lax.rem(pos, page_size) * token_words
         handle = jnp.where(page < mpp, pt_ref[jnp.minimum(page, mpp - 1)], -1)
         h0 = jnp.maximum(handle, 0)
-        return tab_ref[h0, 0], tab_ref[h0, 1] + row_off, handle
+        return tab_ref[h0, 0], tab_ref[h0, 1] + off, handle
 
     def update(state, s, vs):
         m, l, accs = state
@@ -297,9 +309,16 @@ def _prepare(
         raise ValueError(
             f"page_handles: expected int [B, MP] with B = {b}, got {page_handles.shape}"
         )
-    for name, size in (("page_size", page_size), ("D", d)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name}: a power of two >= 16, got {size}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"D: a power of two >= 16, got {d}")
+    if not isinstance(page_size, int | np.integer) or page_size < 16 or page_size % 16:
+        raise ValueError(f"page_size: a multiple of 16, got {page_size!r}")
+    pow2_pages = not page_size & (page_size - 1)
+    if pages_per_step is not None and not pow2_pages:
+        raise ValueError(
+            f"pages_per_step: only for a power-of-two page_size, got {pages_per_step} with "
+            f"page_size {page_size} (its steps are key tiles; leave it None)"
+        )
     group = hq // hkv
     if block_q is None:
         block_q = 1 << (max(BLOCK_ROWS // group, 1).bit_length() - 1)
@@ -308,14 +327,19 @@ def _prepare(
     rows = max(_next_pow2(bq * group), MIN_ROWS)
     mp = page_handles.shape[1]
     packed = kv_dtype == jnp.dtype(BF16)
-    if pages_per_step is None:
-        words = (DECODE_WORDS if rows <= MIN_ROWS else BLOCK_WORDS) // (d // 2 if packed else d)
-        keys = min(1 << (max(words, 1).bit_length() - 1), MAX_KEYS)
-        pages_per_step = min(max(keys // page_size, 1), _next_pow2(mp))
-    _pow2_at_least_1("pages_per_step", pages_per_step)
-    mpp = max(_next_pow2(mp), pages_per_step)
+    words = (DECODE_WORDS if rows <= MIN_ROWS else BLOCK_WORDS) // (d // 2 if packed else d)
+    keys = min(1 << (max(words, 1).bit_length() - 1), MAX_KEYS)
+    if not pow2_pages:  # key tiles of the default size, at most the keys of the page table
+        keys = min(keys, max(_next_pow2(mp * page_size), MIN_ROWS))
+        mpp = _next_pow2(mp)
+    else:
+        if pages_per_step is None:
+            pages_per_step = min(max(keys // page_size, 1), _next_pow2(mp))
+        _pow2_at_least_1("pages_per_step", pages_per_step)
+        keys = page_size * pages_per_step
+        mpp = max(_next_pow2(mp), pages_per_step)
     pt = jnp.pad(page_handles.astype(jnp.int32), [(0, 0), (0, mpp - mp)], constant_values=-1)
-    return packed, bq, rows, pages_per_step, pt
+    return packed, bq, rows, keys, pt
 
 
 def _attention_call(
@@ -464,7 +488,7 @@ def tree_attention(
     :func:`_prepare`), ``blocks`` Triton warps and stages (default ``DEFAULT_BLOCKS``)."""
     hkv = draft_k.shape[2]
     q_p, dk_p, dv_p, mask, np2 = _pad_nodes(q, draft_k, draft_v, draft_mask)
-    packed, bq, rows, pps, pt = _prepare(
+    packed, bq, rows, keys, pt = _prepare(
         q, arena, table, page_handles, hkv, kv_dtype, page_size, np2, block_q, pages_per_step
     )
     b, n, _, d = q.shape
@@ -489,7 +513,7 @@ def tree_attention(
         layer=layer,
         kv_offset=kv_offset,
         page_size=page_size,
-        pages_per_step=pps,
+        keys=keys,
     )
     return out[:, :n]
 
@@ -533,7 +557,7 @@ def paged_attention(
     query block on a grid under ``TARGET_PROGRAMS`` programs, decode at small batch); ``blocks``
     Triton warps and stages (default ``DEFAULT_BLOCKS``)."""
     b, t, hq, d = q.shape
-    packed, bq, rows, pps, pt = _prepare(
+    packed, bq, rows, keys, pt = _prepare(
         q, arena, table, page_handles, kv_heads, kv_dtype, page_size, t, block_q, pages_per_step
     )
     if q_pos.shape != (b, t):
@@ -545,7 +569,7 @@ def paged_attention(
         num_splits,
         programs=b * kv_heads * (tp // bq),
         query_blocks=tp // bq,
-        table_steps=-(-page_handles.shape[1] // pps),
+        table_steps=-(-page_handles.shape[1] * page_size // keys),
     )
     out = _attention_call(
         q_p,
@@ -568,6 +592,6 @@ def paged_attention(
         layer=layer,
         kv_offset=kv_offset,
         page_size=page_size,
-        pages_per_step=pps,
+        keys=keys,
     )
     return out[:, :t]

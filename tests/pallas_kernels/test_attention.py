@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -375,6 +376,56 @@ def test_paged_matches_f64_reference_and_xla(case, dtype):
     np.testing.assert_allclose(routed, got, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("page", [48, 80])
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_pages_not_a_power_of_two(monkeypatch, case, page):
+    """Pages of a multiple of 16 tokens that is not a power of two (a padded unified pool's,
+    enlarged to hold a state): the key tiles start and end inside pages. Against float64, the
+    reference, the XLA path and the cache's kernel route; the tree verify's against its
+    reference on the same pages."""
+    monkeypatch.setattr(sys.modules[__name__], "S", page)  # the helpers' page size
+    dtype = jnp.bfloat16
+    lens, pos_of, t = _CASES[case]
+    lens = [x * page // 16 + 5 for x in lens[:3]] + [0, 3 * page + 7]  # across pages, a padding row
+    lens = [min(x, MP * page) for x in lens]
+    parts, kv = _paged_setup(dtype, lens, seed=page + t)
+    q_pos = (
+        pos_of(lens, t).astype(np.int32)
+        if case == "decode"
+        else (np.array([lens[0] - t, 2, 0, 0, page - 3])[:, None] + np.arange(t)).astype(np.int32)
+    )
+    q_pos[3] = 0 if case == "decode" else q_pos[3]
+    rng = np.random.default_rng(page)
+    q = jnp.asarray(rng.standard_normal((len(lens), t, HQ, D)), dtype)
+    rows = (jnp.asarray(lens), jnp.asarray(q_pos))
+    kw = {**_PAGED, "page_size": page, "kv_dtype": dtype}
+    got = paged_attention(q, *parts, *rows, **kw, interpret=True)
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.all(np.isfinite(got))
+    want = _paged_reference(q, kv, lens, q_pos, 0.25)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    ref = paged_attention_arena_reference(q, *parts, *rows, **kw)
+    np.testing.assert_allclose(got, np.asarray(ref.astype(jnp.float32)), rtol=1e-2, atol=1e-2)
+    xla = _xla_attention(parts, lens, q, q_pos, dtype, XLA_KERNELS)
+    routed = _xla_attention(parts, lens, q, q_pos, dtype, KERNEL)
+    np.testing.assert_allclose(np.asarray(routed.astype(jnp.float32)), got, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(xla.astype(jnp.float32)), got, rtol=2e-2, atol=2e-2)
+    if case == "decode":  # the tree verify's kernel over the same pages
+        n = 4
+        dk, dv = (jnp.asarray(rng.standard_normal((len(lens), n, HKV, D)), dtype) for _ in "kv")
+        tq = jnp.asarray(rng.standard_normal((len(lens), n, HQ, D)), dtype)
+        mask = jnp.asarray(rng.random((len(lens), n, n)) < 0.5) | jnp.eye(n, dtype=bool)
+        args = (tq, *parts, jnp.asarray(lens), dk, dv, mask)
+        tkw = dict(layer=LAYER, kv_offset=OFFSET, page_size=page, kv_dtype=dtype, scale=0.25)
+        tgot = np.asarray(arena_attention(*args, **tkw, interpret=True).astype(jnp.float32))
+        tref = np.asarray(tree_attention_arena_reference(*args, **tkw).astype(jnp.float32))
+        np.testing.assert_allclose(tgot, tref, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="^pages_per_step: only for a power-of-two"):
+        paged_attention(q, *parts, *rows, **kw, pages_per_step=2, interpret=True)
+    with pytest.raises(ValueError, match="^page_size: a multiple of 16"):
+        paged_attention(q, *parts, *rows, **{**kw, "page_size": page + 8}, interpret=True)
+
+
 def test_paged_route_guard():
     """Queries the kernel cannot take go to XLA, or raise when strict."""
     lens = [20]
@@ -628,6 +679,23 @@ def test_arena_attention_lowers_for_sm90(h200, case, t, rows, keys, splits):
     [(name, ir)] = h200(fn, *args)
     assert name == ("tree_attention_arena" if case == "tree" else "paged_attention_arena")
     for a, c in ((128, keys), (keys, 128)):  # q k^T, then p v
+        want = f"tensor<{rows}x{a}xbf16> * tensor<{a}x{c}xbf16> -> tensor<{rows}x{c}xf32>"
+        assert want in ir, want
+
+
+@pytest.mark.parametrize("case, t, rows, keys", [("decode", 1, 16, 128), ("prefill", 512, 64, 64)])
+def test_arena_attention_lowers_for_sm90_unified_pages(h200, case, t, rows, keys):
+    """A padded unified pool's page at Qwen3.5-35B-A3B dims (3152 tokens: 197 pages of 16,
+    enough to hold a recurrent state): the paged kernel lowers for sm_90 with key tiles of the
+    default size, ``keys`` a step."""
+    s, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    b, hq, hkv, d, mp = 2, 16, 2, 256, 12
+    pages = (s((8, 1 << 24), jnp.uint32), s((64, 2), i32), s((b, mp), i32), s((b,), i32))
+    kw = dict(layer=1, kv_offset=64, page_size=3152, kv_dtype=bf16, scale=d**-0.5, kv_heads=hkv)
+    fn = lambda *a: paged_attention(*a, **kw)
+    [(name, ir)] = h200(fn, s((b, t, hq, d), bf16), *pages, s((b, t), i32))
+    assert name == "paged_attention_arena"
+    for a, c in ((128, keys), (keys, 128)):
         want = f"tensor<{rows}x{a}xbf16> * tensor<{a}x{c}xbf16> -> tensor<{rows}x{c}xf32>"
         assert want in ir, want
 
