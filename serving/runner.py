@@ -465,9 +465,9 @@ class ArenaRunner:
       in place) and :meth:`decode`'s GDN layers (the conv by
       :func:`pallas_kernels.decode.conv.conv_step` and the step by
       :func:`pallas_kernels.decode.arena.recurrent_step_mixed`, in place); in interpret mode off
-      GPU. A geometry the kernels do not take (``page_size`` not a multiple of 16, ``head_dim``
-      not a power of two >= 16, GDN head dims not a power of two in [16, 256], a non-f32 recurrent state) raises
-      ``ValueError`` here, a tree of more than ``pallas_kernels.MAX_NODES`` nodes when
+      GPU. A geometry the kernels do not take (``page_size`` not a multiple of 16,
+      ``head_dim`` not a power of two >= 16, GDN head dims not a power of two in [16, 256], a
+      non-f32 recurrent state) raises ``ValueError`` here, a tree of more than ``pallas_kernels.MAX_NODES`` nodes when
       verified;
     - ``"auto"`` (default): ``"pallas"`` on a GPU backend for the parts whose geometry fits
       (and trees of at most 64 nodes), XLA otherwise; ``kernel_notes`` says why a part stayed

@@ -394,7 +394,8 @@ def test_pages_not_a_power_of_two(monkeypatch, case, page):
         if case == "decode"
         else (np.array([lens[0] - t, 2, 0, 0, page - 3])[:, None] + np.arange(t)).astype(np.int32)
     )
-    q_pos[3] = 0 if case == "decode" else q_pos[3]
+    if case == "decode":
+        q_pos[3] = 0  # the padding row
     rng = np.random.default_rng(page)
     q = jnp.asarray(rng.standard_normal((len(lens), t, HQ, D)), dtype)
     rows = (jnp.asarray(lens), jnp.asarray(q_pos))
