@@ -239,22 +239,23 @@ def main(argv: list[str] | None = None) -> dict:
         "policies": None,
     }
 
+    def write_partial():
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.json, {**doc, "partial": True})
+
     def save_partial(row):
         """Each measured row goes to the JSON at once (``"partial": true`` until the run
         ends), so a run stopped by a time limit keeps its rows."""
         rows.append({**row, "rate": finite(row["rate"])})
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            write_json(args.json, {**doc, "partial": True})
+        write_partial()
 
     def save_policy(row):
         """The memory-policy rows likewise, as each policy is measured."""
         part = doc["policies"] or {"rows": [], "rate": finite(preset["shift_rate"])}
         part["rows"].append({**row, "rate": finite(row["rate"])})
         doc["policies"] = part
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            write_json(args.json, {**doc, "partial": True})
+        write_partial()
 
     served = [workloads[w] for w in preset["workloads"]] if args.policies != "only" else []
     for key in preset["methods"] if served else ():
