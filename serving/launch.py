@@ -65,6 +65,7 @@ class ByTokens:
         self.graphs = jax.jit(fn, compiler_options=GRAPHS, **jit_kwargs)
         self.kernels = jax.jit(fn, compiler_options=NO_GRAPHS, **jit_kwargs)
         self.traced = jax.jit(fn, **jit_kwargs)
+        self._checked: set = set()  # call signatures whose program passed check_fits
 
     def pick(self, args):
         tokens = args[self.tokens_arg]
@@ -78,10 +79,75 @@ class ByTokens:
         return self.kernels
 
     def __call__(self, *args, **kwargs):
-        return self.pick(args)(*args, **kwargs)
+        fn = self.pick(args)
+        if fn is not self.traced:
+            key = (fn is self.graphs, _signature(args), _signature(tuple(kwargs.items())))
+            if key not in self._checked:  # a program about to compile: will it fit?
+                check_fits(fn, args, kwargs)
+                self._checked.add(key)
+        return fn(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         return self.pick(args).lower(*args, **kwargs)
 
     def _cache_size(self) -> int:
         return sum(f._cache_size() for f in (self.graphs, self.kernels, self.traced))
+
+
+def _signature(args) -> tuple:
+    """What tells one program of a step apart from another, cheaply: each top-level array's
+    shape and dtype, a sequence's length (the weights pass as long flat lists), a static
+    value itself."""
+    out = []
+    for a in args:
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            out.append((tuple(a.shape), str(a.dtype)))
+        elif isinstance(a, (list, tuple)):
+            out.append(("seq", len(a), *(_signature(a) if len(a) <= 4 else ())))
+        elif a is None or isinstance(a, (bool, int, float, str)):
+            out.append(a)
+        else:
+            out.append(type(a).__name__)
+    return tuple(out)
+
+
+def free_bytes(device: jax.Device) -> int | None:
+    """Bytes ``device``'s allocator has left (its limit less what live buffers hold), or
+    ``None`` where the backend does not say (CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_fits(fn, args, kwargs) -> None:
+    """Compile ``fn(*args, **kwargs)`` ahead of its first call (the call then reuses the
+    executable) and raise a ``ValueError`` when what it allocates on the device (temporaries,
+    and outputs not aliased to donated inputs) exceeds what the device has free: the step
+    would otherwise fail in the launch with the device out of memory. A no-op where the
+    backend does not report its memory."""
+    leaves = [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)]
+    device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
+    free = free_bytes(device)
+    if free is None:
+        return
+    stats = fn.lower(*args, **kwargs).compile().memory_analysis()
+    if stats is None:
+        return
+    need = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+    if need > free:
+        raise ValueError(
+            f"memory_budget / max_num_seqs: a step program ({getattr(fn, '__name__', 'step')}) "
+            f"needs {_size(need)} of device memory for its activations "
+            f"({_size(stats.temp_size_in_bytes)} temporaries), but {device} has {_size(free)} "
+            "free beside the weights and the arena; lower memory_budget (the arena) to leave "
+            "the programs room, or max_num_seqs / batch_buckets, prefill_chunk or the "
+            "speculative tree (the step's tokens)"
+        )

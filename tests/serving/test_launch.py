@@ -56,3 +56,54 @@ def test_engine_steps_take_the_variant_of_their_size(graph_tokens):
 def test_bad_graph_bound_is_refused():
     with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
         LLM(ASSETS / "target", **TINY, cuda_graph_max_tokens=-1)
+
+
+def _compiles():
+    """A counter of XLA compilations from here on."""
+    n = [0]
+
+    def listen(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            n[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return n
+
+
+def test_a_program_that_cannot_fit_is_refused_before_its_launch(monkeypatch):
+    """Where the device reports its memory, a step program's first call compiles it ahead,
+    and one whose temporaries and outputs exceed the free bytes raises a ValueError naming
+    the engine's knobs instead of failing in the launch; one that fits compiles once and
+    runs; the check runs once per program, not per call."""
+    f = launch.ByTokens(lambda w, t: jnp.tanh(t[:, :, None] * w).sum(-1), None, 1)
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    want = np.tanh(np.asarray(t)[:, :, None] * np.asarray(w)).sum(-1)
+    checks = []
+    real_check = launch.check_fits
+    monkeypatch.setattr(launch, "check_fits", lambda *a: (checks.append(1), real_check(*a))[1])
+    monkeypatch.setattr(launch, "free_bytes", lambda device: 8)
+    with pytest.raises(ValueError, match="memory_budget / max_num_seqs.* 8 B free"):
+        f(w, t)
+    assert f._cache_size() == 0  # nothing ran
+    monkeypatch.setattr(launch, "free_bytes", lambda device: 1 << 40)
+    compiles = _compiles()
+    np.testing.assert_allclose(f(w, t), want, rtol=1e-5)
+    np.testing.assert_allclose(f(w, t + 0.0), want, rtol=1e-5)
+    assert compiles[0] == 1 and f._cache_size() == 1  # the call reused the checked program
+    assert len(checks) == 2  # the refused call and the first that fit
+    f(w, t[:4])  # another shape: another program, checked
+    assert len(checks) == 3
+    monkeypatch.setattr(launch, "free_bytes", lambda device: None)  # CPU: nothing to check
+    g = launch.jit(lambda t: t * 2.0)
+    np.testing.assert_allclose(g(t), 2 * np.asarray(t))
+
+
+def test_engine_refuses_a_step_that_cannot_fit(monkeypatch):
+    """The engine's first step surfaces the check as a ValueError naming its knobs (a shape
+    of its own: programs are shared by engines of one configuration, and checked once)."""
+    monkeypatch.setattr(launch, "free_bytes", lambda device: 4096)
+    llm = LLM(ASSETS / "target", **{**TINY, "max_model_len": 96})
+    with pytest.raises(ValueError, match="memory_budget / max_num_seqs"):
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
