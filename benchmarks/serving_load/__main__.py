@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     doc = {
         "benchmark": "serving_load",
+        "command": _command(argv),
         "preset": args.preset,
         "clock": "step clock: measured wall time of each engine step, idle gaps skipped",
         "config": {
@@ -293,6 +295,28 @@ def main(argv: list[str] | None = None) -> dict:
     return doc
 
 
+def _command(argv: list[str]) -> str:
+    """The command line that made a run, without where it wrote (``--json``, ``--oracle-dir``,
+    ``--compile-cache``: machine paths)."""
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--json", "--oracle-dir", "--compile-cache"):
+            skip = True
+        elif not a.startswith(("--json=", "--oracle-dir=", "--compile-cache=")):
+            keep.append(shlex.quote(a))
+    return " ".join(["python -m benchmarks.serving_load", *keep])
+
+
+def _sources(path: str, doc: dict) -> list[str]:
+    """What a merged document came from: a merged input's own sources, a run's command, or
+    (a run written without one) its path."""
+    if doc.get("merged_from"):
+        return list(doc["merged_from"])
+    return [doc.get("command") or path]
+
+
 def _plot_main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serving_load plot")
     ap.add_argument("json", nargs="+", help="results of runs to merge")
@@ -302,7 +326,8 @@ def _plot_main(argv: list[str]) -> dict:
     doc = dict(docs[0])
     doc["rows"] = [r for d in docs for r in d.get("rows") or []]
     doc["policies"] = next((d["policies"] for d in docs if d.get("policies")), None)
-    doc["merged_from"] = args.json
+    doc.pop("command", None)
+    doc["merged_from"] = [c for p, d in zip(args.json, docs, strict=True) for c in _sources(p, d)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "merged.json", doc)

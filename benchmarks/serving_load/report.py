@@ -94,6 +94,9 @@ def plots(doc: dict, out_dir: Path, stem: str) -> list[Path]:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     workloads = sorted({r["workload"] for r in rows})
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))  # one colour a method everywhere
+    color = {m: cycle[i % len(cycle)] for i, m in enumerate(methods)}
     paths = []
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False)
     for ax_row, wl in zip(axes, workloads, strict=True):
@@ -107,8 +110,9 @@ def plots(doc: dict, out_dir: Path, stem: str) -> list[Path]:
                 if r["method"] == m
             )
             xs = [x for x, _ in pts]
-            ax_row[0].plot(xs, [r["request_throughput"] for _, r in pts], marker="o", label=m)
-            ax_row[1].plot(xs, [r["token_throughput"] for _, r in pts], marker="o", label=m)
+            style = dict(marker="o", label=m, color=color[m])
+            ax_row[0].plot(xs, [r["request_throughput"] for _, r in pts], **style)
+            ax_row[1].plot(xs, [r["token_throughput"] for _, r in pts], **style)
         for ax, what in zip(ax_row, ("requests / s", "tokens / s"), strict=True):
             ax.set_xscale("log")
             ax.set_xlabel(f"offered rate (req/s; saturation drawn at {sat:g})")
@@ -129,7 +133,13 @@ def plots(doc: dict, out_dir: Path, stem: str) -> list[Path]:
             if _rate(r["rate"]) != pick:
                 continue
             x = np.sort([1e3 * v for v in r["ttft_s"] if v is not None])
-            ax.step(x, np.arange(1, len(x) + 1) / max(1, len(x)), where="post", label=r["method"])
+            ax.step(
+                x,
+                np.arange(1, len(x) + 1) / max(1, len(x)),
+                where="post",
+                label=r["method"],
+                color=color[r["method"]],
+            )
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("fraction of requests")

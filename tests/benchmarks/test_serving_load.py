@@ -135,6 +135,17 @@ def test_policy_method_and_rate(tmp_path):
         assert r["method"] == "tree WY" and r["rate"] == "inf"
         assert r["completed"] == r["requests"] and r["same_tokens_as_plain"] == 1.0
         assert r["mean_acceptance_length"] > 1.5
+    # the run records its command (not where it wrote); merges keep their runs' commands
+    command = "python -m benchmarks.serving_load " + " ".join(
+        [*argv, "--policy-rate", "inf", "--memory-budget", "700000"]
+    )
+    assert doc["command"] == command
+    main(["plot", str(out), "--out", str(tmp_path / "m1")])
+    (tmp_path / "bare.json").write_text(json.dumps({**doc, "command": None}))
+    inputs = [str(tmp_path / "m1" / "merged.json"), str(tmp_path / "bare.json")]
+    merged = main(["plot", *inputs, "--out", str(tmp_path / "m2")])
+    assert merged["merged_from"] == [command, str(tmp_path / "bare.json")]
+    assert "command" not in merged
 
 
 @pytest.mark.parametrize("key", ["tree_wy", "chain_snapshot"])
