@@ -27,7 +27,7 @@ from serving.memory import MemoryManager, OutOfMemoryError, layout_for
 from serving.parallel import ParallelConfig, ReplicaEngine, ReplicaScheduler
 from serving.params import SamplingParams, SpecConfig
 from serving.runner import ArenaRunner, ModelRunner, MTPRunner
-from serving.scheduler import Request, Scheduler
+from serving.scheduler import ADMISSIONS, Request, Scheduler
 from serving.tokenizer import load_tokenizer
 
 _ids = itertools.count()
@@ -229,6 +229,12 @@ class LLM:
         Requests join and leave between any two steps, and the tokens are those of one step
         at a time. A step with a prefilling request, and trees built on the host, run in
         order. Not with ``num_scheduler_steps > 1``. Default False.
+      admission: what admitting a request reserves in the arena: ``"chunk"`` (default) the
+        pages of its first prefill chunk, the rest growing step by step (vLLM's way; a
+        request preempted part way through its prefill recomputes its chunks); ``"prompt"``
+        the pages of its whole prompt, so a request once admitted never waits on memory for
+        its own prefill (fewer preemptions when long prompts crowd a small arena, at the
+        cost of holding pages before their chunks run).
       dtype: weights and KV dtype (``"bfloat16"`` or ``"float32"``); the conv state is
         stored in it too, the recurrent state in f32.
       cache: where the target's cache lives. ``"arena"`` (default): only in the memory
@@ -293,6 +299,7 @@ class LLM:
         cuda_graph_max_tokens: int | None = DEFAULT_GRAPH_TOKENS,
         num_scheduler_steps: int = 1,
         async_scheduling: bool = False,
+        admission: str = "chunk",
         segment_bytes: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
@@ -317,6 +324,8 @@ class LLM:
         ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {async_scheduling!r}")
         if async_scheduling and num_scheduler_steps > 1:
@@ -536,6 +545,7 @@ class LLM:
             else None
         )
         self._scheduler_args = dict(
+            admission=admission,
             num_slots=max_num_seqs,
             num_pages=num_pages,
             page_size=page_size,

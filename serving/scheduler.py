@@ -16,6 +16,11 @@ everything and goes back to the front of the queue; on readmission it prefills i
 plus all its output but the last token, which stays its pending token. Nothing is sampled
 again, so no token is lost or duplicated.
 
+Admission reserves a request's first prefill chunk (``admission="chunk"``, the default, as
+vLLM's scheduler allocates per step) or its whole prompt (``"prompt"``): then a request once
+admitted never needs pages for its own prefill, so a long prompt is not preempted part way
+through it by its own growth, at the cost of holding its pages before its chunks run.
+
 A request that can never fit (more tokens than ``pages_per_seq`` pages hold, or more memory
 than the arena holds with nothing else running) is rejected at once: it is finished with
 ``Request.error`` set and its memory freed, and the other requests go on.
@@ -32,6 +37,10 @@ import numpy as np
 from serving.memory import MemoryManager, OutOfMemoryError
 from serving.memory.errors import AllocationTooLargeError
 from serving.params import SamplingParams
+
+# What admission reserves: the first prefill chunk's pages (the rest grow step by step, and
+# a request preempted mid-prefill recomputes its chunks), or the whole prompt's at once.
+ADMISSIONS = ("chunk", "prompt")
 
 
 class _NeverFits(Exception):
@@ -88,7 +97,11 @@ class Scheduler:
         pages_per_seq: int,
         spec_kind: str | None,
         spec_units: int,
+        admission: str = "chunk",
     ):
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+        self.admission = admission
         self.manager = manager
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
@@ -136,15 +149,18 @@ class Scheduler:
 
     def admit(self, max_running: int, first_chunk: int) -> None:
         """Admit waiting requests in order while a slot, a state, the speculative scratch and
-        the first chunk's pages fit. A request that does not fit with nothing else running
-        (or could not fit in any arena state) is rejected and the next one is tried."""
+        the first chunk's pages fit (``admission="chunk"``), or the pages of the whole prompt
+        (``"prompt"``). A request that does not fit with nothing else running (or could not
+        fit in any arena state) is rejected and the next one is tried."""
         while self.waiting and len(self.running) < max_running and self.free_slots:
             req = self.waiting[0]
             try:
                 (req.state_handle,) = self.manager.alloc(req.rid, "state", 1)
                 if self.spec_kind is not None:
                     req.spec_handles = self.manager.alloc(req.rid, self.spec_kind, self.spec_units)
-                first = min(len(req.prefill_tokens), first_chunk)
+                first = len(req.prefill_tokens)
+                if self.admission == "chunk":
+                    first = min(first, first_chunk)
                 fits = self.ensure_tokens(req, max(first, 1))
             except (_NeverFits, AllocationTooLargeError) as e:
                 self.waiting.popleft()

@@ -42,6 +42,7 @@ from benchmarks.serving_load.run import (
 )
 from benchmarks.serving_load.workload import PRESETS, make_workload, methods
 from serving.cli import compile_cache
+from serving.scheduler import ADMISSIONS
 
 
 def _rates(spec: str | None, default: dict) -> dict:
@@ -97,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="requests / s of the memory-policy comparison's shifting workload, 'inf' for "
         "all at once (default: the preset's)",
+    )
+    ap.add_argument(
+        "--admission",
+        choices=ADMISSIONS,
+        default="chunk",
+        help="what admitting a request reserves: its first prefill chunk's pages (chunk) or "
+        "its whole prompt's (prompt); LLM(admission=...)",
     )
     ap.add_argument(
         "--target-accept",
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory_budget:
         mb = args.memory_budget
         preset["memory_budget"] = mb if mb == "auto" else int(float(mb))
+    preset["admission"] = args.admission
     if args.policy_method:
         preset["avmp_method"] = args.policy_method
     if args.policy_rate is not None:

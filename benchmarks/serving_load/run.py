@@ -67,6 +67,7 @@ def make_llm(model, preset: dict, method: Method, budget: int, policy: str = "av
         prefill_chunk=preset["prefill_chunk"],
         dtype=preset["dtype"],
         kernels=preset["kernels"],
+        admission=preset.get("admission", "chunk"),
     )
 
 

@@ -117,8 +117,9 @@ def test_smoke_preset(tmp_path):
 
 
 def test_policy_method_and_rate(tmp_path):
-    """``--policy-method`` and ``--policy-rate`` pick what the memory-policy comparison serves;
-    a binding budget still gives every policy the plain tokens."""
+    """``--policy-method`` and ``--policy-rate`` pick what the memory-policy comparison serves
+    (here with whole-prompt admission); a binding budget still gives every policy the plain
+    tokens."""
     from benchmarks.serving_load.__main__ import main
 
     for bad in (["--policy-method", "beam"], ["--policy-rate", "0"]):
@@ -126,6 +127,7 @@ def test_policy_method_and_rate(tmp_path):
             main(["--preset", "smoke", "--policies", "only", *bad])
     out = tmp_path / "pol.json"
     argv = ["--preset", "smoke", "--policies", "only", "--policy-method", "tree_wy"]
+    argv += ["--admission", "prompt"]
     main([*argv, "--policy-rate", "inf", "--memory-budget", "700000", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["rows"] == [] and "partial" not in doc

@@ -4,11 +4,12 @@ batching (more requests than batch rows) and preemption (a memory budget too sma
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from serving import LLM, SamplingParams, SpecConfig
 from serving.memory import OutOfMemoryError
-from tests.serving.conftest import ENGINE, prompts
+from tests.serving.conftest import ENGINE, VOCAB, prompts
 
 PROMPTS = prompts(6)
 PARAMS = SamplingParams(max_tokens=24)
@@ -90,3 +91,29 @@ def test_stop_tokens_and_max_tokens(target, plain):
     )
     first = plain[0].index(stop)
     assert outs[0].token_ids == plain[0][: first + 1]
+
+
+def test_prompt_admission_keeps_long_prefills_from_preempting(target):
+    """Long prompts crowding a small arena: admission that reserves only the first chunk
+    lets several long prompts start and preempts them part way through their prefill;
+    admission that reserves the whole prompt runs them without a preemption. The tokens are
+    the same either way (and those of an unconstrained engine)."""
+    rng = np.random.default_rng(3)
+    lens = (6, 70, 8, 64, 5, 72, 7, 60)
+    batch = [rng.integers(0, VOCAB, n).tolist() for n in lens]
+    params = SamplingParams(max_tokens=10)
+    want = [o.token_ids for o in LLM(target, **ENGINE).generate(batch, params)]
+    layout = LLM(target, **ENGINE).layout
+    seg = max(layout.unit_bytes(k) for k in ("kv", "state"))
+    # four segments, each one state slot or 8 KV pages (64 tokens)
+    budget = 4 * seg
+    runs = {}
+    for admission in ("chunk", "prompt"):
+        llm = LLM(target, memory_budget=budget, segment_bytes=seg, admission=admission, **ENGINE)
+        outs = llm.generate(batch, params)
+        assert [o.token_ids for o in outs] == want, admission
+        assert llm.manager.stats()["requests"] == 0
+        runs[admission] = llm.scheduler.preemptions
+    assert runs["chunk"] > 0 and runs["prompt"] == 0, runs
+    with pytest.raises(ValueError, match="admission must be one of"):
+        LLM(target, admission="eager", **ENGINE)
