@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from serving.memory.arena import free_bytes
+
 DEFAULT_GRAPH_TOKENS = None  # LLM(cuda_graph_max_tokens=): the largest graph step (None: all)
 
 GRAPHS = {"xla_gpu_require_exclusive_lock": True}
@@ -109,15 +111,6 @@ def _signature(args) -> tuple:
         else:
             out.append(type(a).__name__)
     return tuple(out)
-
-
-def free_bytes(device: jax.Device) -> int | None:
-    """Bytes ``device``'s allocator has left (its limit less what live buffers hold), or
-    ``None`` where the backend does not say (CPU)."""
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
 def _size(n: int) -> str:

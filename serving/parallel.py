@@ -66,13 +66,14 @@ from serving.kernels import ArenaKernels
 from serving.memory import MemoryManager
 from serving.memory.arena import (
     Arena,
+    allocate,
     check_arena_size,
     field_to_words,
     move_units,
     scatter_windows,
     words_to_field,
 )
-from serving.memory.layout import HybridLayout
+from serving.memory.layout import WORD_BYTES, HybridLayout
 
 _R = P()
 
@@ -284,9 +285,11 @@ class ShardedArena(Arena):
         self.segment_words = segment_words
         self.placement = placement
         shape = (placement.tp, num_segments, segment_words)
-        self.buffer = jax.jit(
-            lambda: jnp.zeros(shape, jnp.uint32), out_shardings=placement.arena_sharding
-        )()
+        self.buffer = allocate(
+            jax.jit(lambda: jnp.zeros(shape, jnp.uint32), out_shardings=placement.arena_sharding),
+            num_segments * segment_words * WORD_BYTES,
+            placement.arena_sharding.device_set,
+        )
 
     def _read_at(self, seg, word, *, shape, dtype, words):
         return _read_all(self.buffer, seg, word, shape=shape, dtype=dtype, words=words)

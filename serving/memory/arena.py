@@ -93,6 +93,38 @@ def _write_words(buf, seg, word, value):
     return lax.dynamic_update_slice(buf, field_to_words(value)[None], (seg, word))
 
 
+def free_bytes(device: jax.Device) -> int | None:
+    """Bytes ``device``'s allocator has left (its limit less what live buffers hold), or
+    ``None`` where the backend does not say (CPU)."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def allocate(make, nbytes: int, devices) -> jax.Array:
+    """``make()`` (an arena buffer of ``nbytes`` bytes a device), checked: a ``ValueError``
+    naming ``memory_budget`` when a device reports fewer free bytes, or when the allocation
+    itself fails (the allocator's free memory may be fragmented), instead of a failure at
+    the first step that reads the buffer."""
+    for device in devices:
+        free = free_bytes(device)
+        if free is not None and nbytes > free:
+            raise ValueError(
+                f"memory_budget: an arena of {nbytes} bytes does not fit the {free} bytes "
+                f"free on {device}; give a smaller memory_budget"
+            )
+    try:
+        return make().block_until_ready()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(
+            f"memory_budget: the device could not allocate an arena of {nbytes} bytes (its "
+            f"free memory may be fragmented); give a smaller memory_budget ({e})"
+        ) from None
+
+
 def check_arena_size(num_segments: int, segment_words: int) -> None:
     """ValueError for an arena of no segment or of empty segments."""
     if num_segments < 1 or segment_words < 1:
@@ -149,7 +181,12 @@ class Arena:
         check_arena_size(num_segments, segment_words)
         self.num_segments = num_segments
         self.segment_words = segment_words
-        self.buffer = jnp.zeros((num_segments, segment_words), jnp.uint32, device=device)
+        shape = (num_segments, segment_words)
+        self.buffer = allocate(
+            lambda: jnp.zeros(shape, jnp.uint32, device=device),
+            num_segments * segment_words * WORD_BYTES,
+            [device or jax.devices()[0]],
+        )
 
     @property
     def nbytes(self) -> int:

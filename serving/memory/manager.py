@@ -32,7 +32,7 @@ import numpy as np
 from jax import numpy as jnp
 
 from serving.memory.allocator import Allocator
-from serving.memory.arena import Arena
+from serving.memory.arena import Arena, free_bytes
 from serving.memory.errors import (
     AllocationTooLargeError,
     HandleKindError,
@@ -57,13 +57,13 @@ _INTS = (int, np.integer)  # a tuple: ``int | np.integer`` would build a union o
 
 
 def _budget_from_fraction(fraction: float, device: jax.Device) -> int:
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
+    free = free_bytes(device)
+    if free is None:
         raise ValueError(
             f"budget_bytes={fraction} is a fraction of free device memory, but {device} does "
             "not report memory_stats(); pass a byte count"
         )
-    return int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return int(fraction * free)
 
 
 def _default_segment_words(units: Mapping[str, int], budget_words: int) -> int:

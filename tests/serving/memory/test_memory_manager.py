@@ -285,6 +285,29 @@ def test_budget_fraction_needs_memory_stats():
         MemoryManager(TINY, 0.5, device=_NoStatsDevice())
 
 
+def test_an_arena_the_device_cannot_hold_is_refused(monkeypatch):
+    """An arena larger than the device's free bytes, or whose allocation fails on the device
+    (fragmented free memory), raises a ValueError naming memory_budget at construction,
+    not at the first step that reads it; with room the arena is built."""
+    from serving.memory import arena as arena_mod
+
+    monkeypatch.setattr(arena_mod, "free_bytes", lambda device: 1 << 20)
+    with pytest.raises(
+        ValueError, match=r"memory_budget: an arena of \d+ bytes does not fit the 1048576"
+    ):
+        MemoryManager(TINY, 1 << 23)
+    assert MemoryManager(TINY, 1 << 19).arena.nbytes <= 1 << 19
+
+    class _Failed:
+        def block_until_ready(self):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying")
+
+    monkeypatch.setattr(arena_mod, "free_bytes", lambda device: None)
+    monkeypatch.setattr(arena_mod.jnp, "zeros", lambda *a, **k: _Failed())
+    with pytest.raises(ValueError, match="memory_budget: the device could not allocate"):
+        MemoryManager(TINY, 1 << 23)
+
+
 def _check_default_segment(lay, budget):
     """No kind of unit costs more arena bytes in a default segment than in unified_padded (a
     padded page per state or stash, a KV page per KV page; 1% slack), and the budget never
