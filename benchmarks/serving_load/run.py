@@ -29,6 +29,7 @@ from benchmarks.serving_load.replay import ReplayDrafter, ReplayParams
 from benchmarks.serving_load.workload import POLICIES, Method, Workload
 from serving.bench import ASSETS
 from serving.llm import LLM, load_model
+from serving.memory.arena import free_bytes
 from serving.params import SamplingParams
 
 AUTO_HEADROOM = 8 << 30  # bytes of device memory left to activations under budget "auto"
@@ -49,10 +50,10 @@ def model_for(preset: dict):
 
 def auto_budget(headroom: int = AUTO_HEADROOM) -> int:
     """Bytes of device memory left after the weights (all live buffers), less ``headroom``."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
+    free = free_bytes(jax.devices()[0])
+    if free is None:
         raise SystemExit("memory_budget auto: this backend reports no memory stats; give bytes")
-    return int(stats["bytes_limit"] - stats["bytes_in_use"] - headroom)
+    return free - headroom
 
 
 def make_llm(model, preset: dict, method: Method, budget: int, policy: str = "avmp") -> LLM:
