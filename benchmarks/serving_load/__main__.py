@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         "workloads": {k: w.params() for k, w in workloads.items()},
         "oracle_s": oracle_s,
         "rows": rows,
+        "refused": [],  # methods the engine refused on this device (memory), with its error
         "policies": None,
     }
 
@@ -270,10 +271,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     served = [workloads[w] for w in preset["workloads"]] if args.policies != "only" else []
     for key in preset["methods"] if served else ():
-        run_method(
-            model, preset, table[key], served, oracles, replay, budget, rates, vocab,
-            on_row=save_partial,
-        )  # fmt: skip
+        try:
+            run_method(
+                model, preset, table[key], served, oracles, replay, budget, rates, vocab,
+                on_row=save_partial,
+            )  # fmt: skip
+        except ValueError as e:  # the engine refused a program or arena the device cannot hold
+            if not str(e).startswith("memory_budget"):
+                raise
+            log(f"{table[key].name}: refused: {e}")
+            doc["refused"].append({"method": table[key].name, "error": str(e)})
+            write_partial()
+            gc.collect()
     if args.policies != "no":
         m = table[preset["avmp_method"]]
         policies = policy_study(
@@ -293,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
         doc["policies"] = policies
     doc["wall_s"] = time.perf_counter() - t_start
     print(report.tables(doc))
+    for r in doc["refused"]:
+        print(f"# refused: {r['method']}: {r['error']}")
     print(f"# wall time {doc['wall_s']:.1f} s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -187,3 +187,30 @@ def test_forced_replay_follows_any_oracle(key):
     install_replay(llm, wl, oracle, ReplayParams(p1, 0.9, 0.25, seed=0, force=False))
     row = serve(llm, wl, float("inf"), 2, oracle, skip_first=True)
     assert row["same_tokens_as_plain"] == 0.0
+
+
+def test_a_method_the_device_cannot_hold_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
+    """A method whose engine refuses a program for memory (the ValueError naming
+    memory_budget) is listed under ``refused`` with its error, and the other methods run;
+    any other error still stops the run."""
+    import benchmarks.serving_load.__main__ as cli
+
+    real = cli.run_method
+
+    def refuse_tree_wy(model, preset, method, *a, **k):
+        if method.name == "tree WY":
+            raise ValueError("memory_budget / max_num_seqs: a step program needs 9 GiB")
+        return real(model, preset, method, *a, **k)
+
+    monkeypatch.setattr(cli, "run_method", refuse_tree_wy)
+    out = tmp_path / "r.json"
+    argv = ["--preset", "smoke", "--policies", "no", "--methods", "none,tree_wy"]
+    cli.main([*argv, "--rates", "sharegpt=inf", "--no-plots", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert [r["method"] for r in doc["rows"]] == ["no speculation"]
+    assert doc["refused"] == [
+        {"method": "tree WY", "error": "memory_budget / max_num_seqs: a step program needs 9 GiB"}
+    ]
+    monkeypatch.setattr(cli, "run_method", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli.main([*argv, "--rates", "sharegpt=inf", "--no-plots"])
