@@ -100,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
         "all at once (default: the preset's)",
     )
     ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="tokens per request per prefill step (default: the preset's; the H200 model_step "
+        "figures take 2048 for a 35B-class model)",
+    )
+    ap.add_argument(
         "--admission",
         choices=ADMISSIONS,
         default="chunk",
@@ -173,6 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
         mb = args.memory_budget
         preset["memory_budget"] = mb if mb == "auto" else int(float(mb))
     preset["admission"] = args.admission
+    if args.prefill_chunk is not None:
+        if args.prefill_chunk < 1:
+            raise SystemExit(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
+        preset["prefill_chunk"] = args.prefill_chunk
     if args.policy_method:
         preset["avmp_method"] = args.policy_method
     if args.policy_rate is not None:

@@ -118,21 +118,22 @@ def test_smoke_preset(tmp_path):
 
 def test_policy_method_and_rate(tmp_path):
     """``--policy-method`` and ``--policy-rate`` pick what the memory-policy comparison serves
-    (here with whole-prompt admission); a binding budget still gives every policy the plain
+    (here with whole-prompt admission and chunks of 16); a binding budget still gives every policy the plain
     tokens."""
     from benchmarks.serving_load.__main__ import main
 
-    for bad in (["--policy-method", "beam"], ["--policy-rate", "0"]):
+    for bad in (["--policy-method", "beam"], ["--policy-rate", "0"], ["--prefill-chunk", "0"]):
         with pytest.raises(SystemExit, match=bad[0]):
             main(["--preset", "smoke", "--policies", "only", *bad])
     out = tmp_path / "pol.json"
     argv = ["--preset", "smoke", "--policies", "only", "--policy-method", "tree_wy"]
-    argv += ["--admission", "prompt"]
+    argv += ["--admission", "prompt", "--prefill-chunk", "16"]
     main([*argv, "--policy-rate", "inf", "--memory-budget", "700000", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["rows"] == [] and "partial" not in doc
     pol = doc["policies"]
     assert pol["rate"] == "inf" and len(pol["rows"]) == 4
+    assert doc["config"]["prefill_chunk"] == 16 and doc["config"]["admission"] == "prompt"
     for r in pol["rows"]:
         assert r["method"] == "tree WY" and r["rate"] == "inf"
         assert r["completed"] == r["requests"] and r["same_tokens_as_plain"] == 1.0
