@@ -100,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
         "all at once (default: the preset's)",
     )
     ap.add_argument(
+        "--policy-repeats",
+        type=int,
+        default=1,
+        help="run the memory-policy comparison this many times, the policies' order rotated "
+        "each time (medians and per-request means over the repeats)",
+    )
+    ap.add_argument(
         "--prefill-chunk",
         type=int,
         help="tokens per request per prefill step (default: the preset's; the H200 model_step "
@@ -179,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         mb = args.memory_budget
         preset["memory_budget"] = mb if mb == "auto" else int(float(mb))
     preset["admission"] = args.admission
+    if args.policy_repeats < 1:
+        raise SystemExit(f"--policy-repeats: must be >= 1, got {args.policy_repeats}")
     if args.prefill_chunk is not None:
         if args.prefill_chunk < 1:
             raise SystemExit(f"--prefill-chunk: must be >= 1, got {args.prefill_chunk}")
@@ -305,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
             budget,
             preset["shift_rate"],
             on_row=save_policy,
+            repeats=args.policy_repeats,
         )
         for r in policies["rows"]:
             r["rate"] = finite(r["rate"])

@@ -33,6 +33,7 @@ COLUMNS = [
 
 POLICY_COLUMNS = [
     ("policy", "policy"),
+    ("repeat", "repeat"),
     ("request_throughput", "req/s"),
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("ttft_p99_ms", "TTFT p99 ms"),
@@ -41,6 +42,8 @@ POLICY_COLUMNS = [
     ("migrations", "migrations"),
     ("migrated_mem", "migrated"),
     ("compactions", "compactions"),
+    ("steps", "steps"),
+    ("ms_per_step", "ms / step"),
 ]
 
 
@@ -50,6 +53,9 @@ def _display(row: dict) -> dict:
     out["peak_spec_mem"] = fmt_bytes(row.get("peak_spec_bytes", 0))
     out["peak_kv_mem"] = fmt_bytes(row.get("peak_kv_bytes", 0))
     out["migrated_mem"] = fmt_bytes(row.get("migrated_bytes", 0))
+    if row.get("steps"):
+        out["ms_per_step"] = round(1e3 * row["busy_s"] / row["steps"], 1)
+    out.setdefault("repeat", 0)
     return out
 
 
@@ -70,6 +76,12 @@ def tables(doc: dict) -> str:
                 )
             lines.append(f"| {base} | {cells[0]} | {cells[1]} |")
         parts.append("\n".join(lines))
+        if pol.get("repeats", 1) > 1:
+            med = pol["median_request_throughput"]
+            parts.append(
+                f"median req/s over {pol['repeats']} repeats: "
+                + ", ".join(f"{p} {v:.3g}" for p, v in med.items())
+            )
     return "\n\n".join(parts)
 
 

@@ -271,46 +271,73 @@ def run_method(
 
 
 def policy_study(
-    model, preset, method: Method, wl: Workload, oracle, replay, budget, rate, on_row=None
+    model,
+    preset,
+    method: Method,
+    wl: Workload,
+    oracle,
+    replay,
+    budget,
+    rate,
+    on_row=None,
+    repeats: int = 1,
 ):
-    """The same engine, method and budget under each memory policy on one shifting workload;
+    """The same engine, method and budget under each memory policy on one shifting workload,
+    ``repeats`` times with the policies' order rotated each time (so none always runs first);
     paired-bootstrap 95% intervals of AVMP's gain in TTFT and latency against each baseline
-    (mean of baseline minus AVMP over the requests both completed; positive: AVMP faster).
-    ``on_row(row)`` is called with each policy's row as it is measured."""
-    rows = {}
+    (mean of baseline minus AVMP over the requests both completed, each request's times
+    averaged over the repeats; positive: AVMP faster), and each policy's median request
+    throughput over the repeats. ``on_row(row)`` is called with each row as it is
+    measured."""
+    rows = []
     n = wl.count(rate, preset.get("max_span_s"))
-    for policy in POLICIES:
-        llm = make_llm(model, preset, method, budget, policy)
-        try:
-            warm_up(llm, preset, llm.config.vocab_size, replay)
-            if method.spec:
-                install_replay(llm, wl, oracle, replay)
-            row = serve(llm, wl, rate, n, oracle, skip_first=bool(replay.force and method.spec))
-        finally:
-            del llm
-            gc.collect()
-        row.update(policy=policy, method=method.name, workload=wl.name, rate=rate)
-        rows[policy] = row
-        if on_row is not None:
-            on_row(row)
-        log(
-            f"policy {policy}: {row['request_throughput']:.3g} req/s, {row['preemptions']} preemptions"
-        )
+    for rep in range(repeats):
+        k = rep % len(POLICIES)
+        for policy in POLICIES[k:] + POLICIES[:k]:
+            llm = make_llm(model, preset, method, budget, policy)
+            try:
+                warm_up(llm, preset, llm.config.vocab_size, replay)
+                if method.spec:
+                    install_replay(llm, wl, oracle, replay)
+                force = bool(replay.force and method.spec)
+                row = serve(llm, wl, rate, n, oracle, skip_first=force)
+            finally:
+                del llm
+                gc.collect()
+            row.update(policy=policy, method=method.name, workload=wl.name, rate=rate, repeat=rep)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            log(
+                f"policy {policy} (repeat {rep}): {row['request_throughput']:.3g} req/s, "
+                f"{row['preemptions']} preemptions"
+            )
+
+    def per_request(policy: str, key: str) -> np.ndarray:
+        runs = [[np.nan if x is None else x for x in r[key]] for r in rows if r["policy"] == policy]
+        return np.nanmean(np.array(runs, float), axis=0)  # a request never completed stays nan
+
     rng = np.random.default_rng(0)
-    reps = preset["bootstrap_reps"]
     cis = {}
     for base in POLICIES[1:]:
         cis[base] = {}
         for key in ("ttft_s", "latency_s"):
-            a, b = (
-                np.array([np.nan if x is None else x for x in rows[p][key]], float)
-                for p in ("avmp", base)
+            ci = paired_bootstrap(
+                per_request("avmp", key), per_request(base, key), rng, preset["bootstrap_reps"]
             )
-            ci = paired_bootstrap(a, b, rng, reps)
             cis[base][key] = (
                 None if ci is None else dict(zip(("mean_gain", "lo", "hi"), ci, strict=True))
             )
-    return {"rows": list(rows.values()), "avmp_gain_ci95": cis}
+    median = {
+        p: float(np.median([r["request_throughput"] for r in rows if r["policy"] == p]))
+        for p in POLICIES
+    }
+    return {
+        "rows": rows,
+        "repeats": repeats,
+        "median_request_throughput": median,
+        "avmp_gain_ci95": cis,
+    }
 
 
 def finite(x):

@@ -15,7 +15,7 @@ from benchmarks.serving_load.replay import (
     calibrate,
     chain_acceptance,
 )
-from benchmarks.serving_load.workload import methods
+from benchmarks.serving_load.workload import POLICIES, methods
 from serving.acceptance import greedy_accept
 from serving.spec_trees import TreeBuilder
 
@@ -118,21 +118,31 @@ def test_smoke_preset(tmp_path):
 
 def test_policy_method_and_rate(tmp_path):
     """``--policy-method`` and ``--policy-rate`` pick what the memory-policy comparison serves
-    (here with whole-prompt admission and chunks of 16); a binding budget still gives every policy the plain
+    (here with whole-prompt admission, chunks of 16 and two repeats); a binding budget still gives every policy the plain
     tokens."""
     from benchmarks.serving_load.__main__ import main
 
-    for bad in (["--policy-method", "beam"], ["--policy-rate", "0"], ["--prefill-chunk", "0"]):
+    for bad in (
+        ["--policy-method", "beam"],
+        ["--policy-rate", "0"],
+        ["--prefill-chunk", "0"],
+        ["--policy-repeats", "0"],
+    ):
         with pytest.raises(SystemExit, match=bad[0]):
             main(["--preset", "smoke", "--policies", "only", *bad])
     out = tmp_path / "pol.json"
     argv = ["--preset", "smoke", "--policies", "only", "--policy-method", "tree_wy"]
-    argv += ["--admission", "prompt", "--prefill-chunk", "16"]
+    argv += ["--admission", "prompt", "--prefill-chunk", "16", "--policy-repeats", "2"]
     main([*argv, "--policy-rate", "inf", "--memory-budget", "700000", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["rows"] == [] and "partial" not in doc
     pol = doc["policies"]
-    assert pol["rate"] == "inf" and len(pol["rows"]) == 4
+    assert pol["rate"] == "inf" and pol["repeats"] == 2 and len(pol["rows"]) == 8
+    # the second repeat rotates the order, so AVMP does not always run first
+    order = [(r["repeat"], r["policy"]) for r in pol["rows"]]
+    assert order[3:5] == [(0, "multi_ended"), (1, "unified_padded")] and order[-1] == (1, "avmp")
+    assert set(pol["median_request_throughput"]) == set(POLICIES)
+    assert set(pol["avmp_gain_ci95"]) == set(POLICIES[1:])
     assert doc["config"]["prefill_chunk"] == 16 and doc["config"]["admission"] == "prompt"
     for r in pol["rows"]:
         assert r["method"] == "tree WY" and r["rate"] == "inf"
