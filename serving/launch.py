@@ -131,7 +131,18 @@ def check_fits(fn, args, kwargs) -> None:
     free = free_bytes(device)
     if free is None:
         return
-    stats = fn.lower(*args, **kwargs).compile().memory_analysis()
+    try:
+        stats = fn.lower(*args, **kwargs).compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:  # XLA's autotuner times kernels on the device
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(
+            f"memory_budget / max_num_seqs: compiling a step program "
+            f"({getattr(fn, '__name__', 'step')}) ran out of device memory ({_size(free)} free "
+            "beside the weights and the arena; XLA times kernels on the device while "
+            "compiling); lower memory_budget (the arena) to leave the programs room, or "
+            f"max_num_seqs / batch_buckets, prefill_chunk or the speculative tree ({e})"
+        ) from None
     if stats is None:
         return
     need = stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes

@@ -95,6 +95,18 @@ def test_a_program_that_cannot_fit_is_refused_before_its_launch(monkeypatch):
     assert len(checks) == 2  # the refused call and the first that fit
     f(w, t[:4])  # another shape: another program, checked
     assert len(checks) == 3
+
+    # a compile that runs out of memory (XLA's autotuner allocates on the device) says so too
+    class _Lowered:
+        def compile(self):
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: ... RESOURCE_EXHAUSTED: Out of memory")
+
+    class _Fn:
+        def lower(self, *a, **k):
+            return _Lowered()
+
+    with pytest.raises(ValueError, match="compiling a step program .* ran out of device memory"):
+        launch.check_fits(_Fn(), (t,), {})
     monkeypatch.setattr(launch, "free_bytes", lambda device: None)  # CPU: nothing to check
     g = launch.jit(lambda t: t * 2.0)
     np.testing.assert_allclose(g(t), 2 * np.asarray(t))
