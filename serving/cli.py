@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from serving.bench import ASSETS, BENCH_TREE
+from serving.scheduler import ADMISSIONS
 
 CACHE = str(Path.home() / ".cache" / "gdn_jax_xla")
 EPILOG = "Shipped models: serving/assets/tiny/{target,draft} (byte-level, see serving/README.md)."
@@ -123,6 +124,7 @@ def _generate(args) -> None:
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
         async_scheduling=args.async_scheduling,
+        admission=args.admission,
         load_format=args.load_format,
         **_parallel(args),
     )
@@ -160,6 +162,7 @@ def _serve(args) -> None:
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         num_scheduler_steps=args.num_scheduler_steps,
         async_scheduling=args.async_scheduling,
+        admission=args.admission,
         kernels=args.kernels,
         load_format=args.load_format,
         **_parallel(args),
@@ -298,6 +301,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="overlap plain decoding's steps with the host: dispatch decode step t+1 before "
         "fetching step t's tokens (LLM(async_scheduling=True))",
+    )
+    p.add_argument(
+        "--admission",
+        default="chunk",
+        choices=ADMISSIONS,
+        help="what admitting a request reserves: its first prefill chunk's KV pages (chunk), "
+        "or its whole prompt's (prompt: no preemption by its own prefill's growth when long "
+        "prompts crowd the memory) (default: %(default)s)",
     )
     p.add_argument(
         "--dtype",

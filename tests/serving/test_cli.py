@@ -86,3 +86,5 @@ def test_defaults():
     assert serve.host == "127.0.0.1" and serve.api_key is None and serve.method == "none"
     assert serve.prefill_chunk == 64 and serve.max_prefill_tokens is None
     assert p.parse_args(["generate"]).method == "draft_model"
+    assert serve.admission == "chunk"
+    assert p.parse_args(["generate", "--admission", "prompt"]).admission == "prompt"
