@@ -120,6 +120,12 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+_ROOM = (
+    "lower memory_budget (the arena) to leave the programs room, or max_num_seqs / "
+    "batch_buckets, prefill_chunk or the speculative tree (the step's tokens)"
+)
+
+
 def check_fits(fn, args, kwargs) -> None:
     """Compile ``fn(*args, **kwargs)`` ahead of its first call (the call then reuses the
     executable) and raise a ``ValueError`` when what it allocates on the device (temporaries,
@@ -140,8 +146,7 @@ def check_fits(fn, args, kwargs) -> None:
             f"memory_budget / max_num_seqs: compiling a step program "
             f"({getattr(fn, '__name__', 'step')}) ran out of device memory ({_size(free)} free "
             "beside the weights and the arena; XLA times kernels on the device while "
-            "compiling); lower memory_budget (the arena) to leave the programs room, or "
-            f"max_num_seqs / batch_buckets, prefill_chunk or the speculative tree ({e})"
+            f"compiling); {_ROOM} ({e})"
         ) from None
     if stats is None:
         return
@@ -151,7 +156,5 @@ def check_fits(fn, args, kwargs) -> None:
             f"memory_budget / max_num_seqs: a step program ({getattr(fn, '__name__', 'step')}) "
             f"needs {_size(need)} of device memory for its activations "
             f"({_size(stats.temp_size_in_bytes)} temporaries), but {device} has {_size(free)} "
-            "free beside the weights and the arena; lower memory_budget (the arena) to leave "
-            "the programs room, or max_num_seqs / batch_buckets, prefill_chunk or the "
-            "speculative tree (the step's tokens)"
+            f"free beside the weights and the arena; {_ROOM}"
         )

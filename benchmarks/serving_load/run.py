@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -315,7 +316,9 @@ def policy_study(
 
     def per_request(policy: str, key: str) -> np.ndarray:
         runs = [[np.nan if x is None else x for x in r[key]] for r in rows if r["policy"] == policy]
-        return np.nanmean(np.array(runs, float), axis=0)  # a request never completed stays nan
+        with warnings.catch_warnings():  # a request no repeat completed stays nan, silently
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmean(np.array(runs, float), axis=0)
 
     rng = np.random.default_rng(0)
     cis = {}
