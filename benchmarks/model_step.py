@@ -308,11 +308,24 @@ def main(argv: list[str] | None = None) -> dict:
         help="run each input projection as its own matmul (LLM(fuse_projections=False)); "
         "default: the engine's fused projections",
     )
+    ap.add_argument(
+        "--norm-kernel-rows",
+        type=int,
+        help="the most rows a residual add and RMSNorm runs on its one-kernel GPU route under "
+        "auto (gdn_jax.pallas_routes.AUTO_NORM_MAX_ROWS; 0: every norm on XLA; default: the "
+        "route's own bound)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
     if min(args.batch + args.tree_sizes) < 1 or min(args.reps, args.context) < 1:
         ap.error("--batch, --tree-sizes, --reps and --context must be positive")
+    if args.norm_kernel_rows is not None:
+        if args.norm_kernel_rows < 0:
+            ap.error(f"--norm-kernel-rows: must be >= 0, got {args.norm_kernel_rows}")
+        from gdn_jax import pallas_routes
+
+        pallas_routes.AUTO_NORM_MAX_ROWS = args.norm_kernel_rows  # read when the steps trace
 
     name, cfg = model_config(args.config, args.smoke)
     if args.smoke:

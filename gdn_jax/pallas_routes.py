@@ -248,9 +248,44 @@ def _snapshot_auto(q, k, v) -> bool:
     return _pow2_dim(k.shape[3]) and _pow2_dim(v.shape[3])
 
 
+def add_rms_norm(x, delta, weight, *, eps):
+    """A residual add and RMSNorm in one kernel (:func:`pallas_kernels.norm.add_rms_norm`)."""
+    from pallas_kernels.norm import add_rms_norm as kernel
+
+    return kernel(x, delta, weight, eps=float(eps), interpret=_interpret())
+
+
+# Rows up to which "auto" runs the residual add and RMSNorm as its one kernel. At one row XLA
+# runs the norm as a reduction to a scalar and a scaling kernel (two launches, and the add in
+# a third where no producer takes it); from two rows it fuses the norm into one kernel and the
+# add into its producer, so the kernel saves no launch (deviceless H200 compiles:
+# benchmarks/step_kernels.py).
+AUTO_NORM_MAX_ROWS = 1
+
+
+def _norm_auto(x, delta, weight) -> bool:
+    """``"auto"`` takes the norm kernel for at most :data:`AUTO_NORM_MAX_ROWS` rows where it
+    takes them and ``delta`` has ``x``'s dtype (the kernel stores the sum in ``x``'s dtype)."""
+    from pallas_kernels.norm import check_norm
+
+    if x.shape[0] > AUTO_NORM_MAX_ROWS or (delta is not None and delta.dtype != x.dtype):
+        return False
+    try:
+        check_norm(x, delta, weight)
+    except ValueError:
+        return False
+    return True
+
+
 PALLAS_OPS.update(
-    routed_experts=routed_experts, route_topk=route_topk, snapshot_tree_verify=snapshot_tree_verify
+    routed_experts=routed_experts,
+    route_topk=route_topk,
+    snapshot_tree_verify=snapshot_tree_verify,
+    add_rms_norm=add_rms_norm,
 )
 AUTO_PALLAS.update(
-    routed_experts=_moe_auto, route_topk=_route_auto, snapshot_tree_verify=_snapshot_auto
+    routed_experts=_moe_auto,
+    route_topk=_route_auto,
+    snapshot_tree_verify=_snapshot_auto,
+    add_rms_norm=_norm_auto,
 )

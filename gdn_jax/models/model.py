@@ -76,7 +76,9 @@ def set_kernel_impl(model: nnx.Module, impl: str) -> None:
     kernel-routed op the model's layers call: ``chunk_gated_delta_rule``, ``tree_verify`` and
     the token loop ``recurrent_gated_delta_rule`` in the GDN layers (``"pallas"`` leaves the
     token loop on ``"auto"``: no GPU kernel takes it), ``routed_experts`` in the MoE layers
-    (``tree_commit`` takes it from :func:`gdn_jax.models.steps.commit`'s ``impl``).
+    (``tree_commit`` takes it from :func:`gdn_jax.models.steps.commit`'s ``impl``), and the
+    norms' residual add and RMSNorm (:func:`gdn_jax.models.norm.add_rms_norm`: ``"xla"`` for
+    ``"xla"``, ``"auto"`` for every other ``impl``, so its GPU kernel runs on a GPU only).
     ``"pallas_tpu"`` runs the TPU kernels (TPU interpret mode off a TPU); its MoE route takes
     bf16 or f16 weights only."""
     from gdn_jax.models.gdn import GatedDeltaNet
@@ -87,6 +89,8 @@ def set_kernel_impl(model: nnx.Module, impl: str) -> None:
     for _, module in nnx.iter_graph(model):
         if isinstance(module, GatedDeltaNet | SparseMoE):
             module.impl = impl
+        elif isinstance(module, RMSNorm):  # its kernel on a GPU unless "xla"
+            module.impl = "xla" if impl == "xla" else "auto"
 
 
 def set_moe_routing(model: nnx.Module, routing: str) -> None:

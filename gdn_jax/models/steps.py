@@ -66,9 +66,9 @@ def _sequence(
     valid = jnp.arange(t)[None, :] < num_tokens[:, None]
     kv_len = start + num_tokens
     gi = ai = 0
-    x = model.embed(tokens)
+    x, ffn_out = model.embed(tokens), None
     for layer in model.layers:
-        h = layer.input_layernorm(x)
+        x, h = layer.input_layernorm.add(x, ffn_out)  # the residual add fused into the norm
         if layer.layer_type == LINEAR:
             rule = None  # T = 0 takes the default path
             if t == 1:
@@ -96,8 +96,16 @@ def _sequence(
             o = cache.attention(ai, q, kv_len, positions, scale=attn.scale)
             mixed = attn.finish(o, gate)
             ai += 1
-        x = layer.ffn(x + mixed)
-    return model.norm(x), cache.with_lengths(kv_len.astype(jnp.int32))
+        x, ffn_out = _ffn(layer, x, mixed)
+    return model.norm.add(x, ffn_out)[1], cache.with_lengths(kv_len.astype(jnp.int32))
+
+
+def _ffn(layer, x: jax.Array, mixed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x + mixed, mlp(norm(x + mixed)))``: a layer's feed-forward half with its output not
+    yet added, so the next norm adds it (``RMSNorm.add``: add and norm in one kernel on a GPU);
+    ``s + out`` is ``layer.ffn(x + mixed)``."""
+    s, h = layer.post_attention_layernorm.add(x, mixed)
+    return s, layer.mlp(h)
 
 
 def prefill(
@@ -168,9 +176,9 @@ def verify_tree(
     positions = cache.lengths[:, None] + jnp.sum(incl, axis=-1, dtype=jnp.int32) - 1
     gdn, conv_in, dks, dvs = [], [], [], []
     gi = ai = 0
-    x = model.embed(tokens)
+    x, ffn_out = model.embed(tokens), None
     for layer in model.layers:
-        h = layer.input_layernorm(x)
+        x, h = layer.input_layernorm.add(x, ffn_out)
         if layer.layer_type == LINEAR:
             rule = None if snapshot else cache.gdn_tree_rule(gi, n)
             if rule is None:
@@ -203,9 +211,9 @@ def verify_tree(
             dvs.append(v)
             mixed = attn.finish(o, gate)
             ai += 1
-        x = layer.ffn(x + mixed)
+        x, ffn_out = _ffn(layer, x, mixed)
     state = TreeState(tuple(gdn), _stack(conv_in), _stack(dks), _stack(dvs))
-    hidden = model.norm(x)
+    hidden = model.norm.add(x, ffn_out)[1]
     out = (model.logits(hidden), state, hidden) if return_hidden else (model.logits(hidden), state)
     return (*out, cache) if snapshot and snapshot_sink is not None else out
 
