@@ -12,8 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn_jax.models import steps
-from gdn_jax.models import init_random
+from gdn_jax.models import init_random, steps
 from gdn_jax.models.cache import init_cache
 from gdn_jax.models.norm import RMSNorm, add_rms_norm
 from pallas_kernels.norm import add_rms_norm as kernel
