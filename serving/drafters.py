@@ -17,7 +17,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from serving.runner import ArenaRunner, ModelRunner, MTPRunner
-from serving.spec_trees import TreeBuilder
+from serving.spec_trees import TreeBuilder, log_share
 
 
 def _softmax(x: np.ndarray, temperature: float) -> np.ndarray:
@@ -66,8 +66,8 @@ class NgramDrafter:
                         nxt, counts = found
                         keep = nxt < self.vocab
                         if keep.any():
-                            c = counts[keep].astype(np.float64)
-                            tb.propose(node, nxt[keep], c / c.sum())
+                            c, total = counts[keep], counts[keep].sum()
+                            tb.propose(node, nxt[keep], c / total, log_share(c, total))
                 level += 1
             tb.finish()
 

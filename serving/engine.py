@@ -178,8 +178,8 @@ class Engine:
     @property
     def _drafts_on_device(self) -> bool:
         """Whether the one-program speculative step drafts its trees itself: the draft model,
-        the MTP head, the n-gram drafter's static trees. Not for its budget trees, nor for
-        another host drafter put in its place (``engine.drafter = ...``, e.g. a replay
+        the MTP head, the n-gram drafter (static and budget trees). Not for another host
+        drafter put in the n-gram one's place (``engine.drafter = ...``, e.g. a replay
         drafter), whose trees the host builds and sends."""
         ds = self.device_spec
         if ds is None or not ds.chains:

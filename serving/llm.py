@@ -216,15 +216,15 @@ class LLM:
         previous one's tokens on the device, so the host's work for a step overlaps the
         device's for the one before (vLLM's name): plain decode steps (the argmax, or a
         draw keyed by the row's output position, fed back), or speculative steps drafted on
-        the device (draft model, MTP, n-gram static trees; each row's root, length and
+        the device (draft model, MTP, n-gram trees; each row's root, length and
         random-stream position advanced by its emitted tokens); greedy or sampled, the same
         tokens as one step at a time. The tokens reach the host, and the scheduler admits
-        requests, once per engine step. N-gram budget trees (drafted on the host) and steps
-        with a prefilling request take one step. Default 1.
+        requests, once per engine step. Steps with a prefilling request take one step.
+        Default 1.
       async_scheduling: steps overlapped with the host (vLLM's async scheduling): the engine
         admits, reserves and dispatches step t+1 while step t runs, t's outputs fed to t+1 on
         the device, then fetches t's tokens: plain decode steps, and speculative steps drafted
-        on the device (draft model, MTP, n-gram static trees; each row's root, length, random
+        on the device (draft model, MTP, n-gram trees; each row's root, length, random
         stream and MTP hidden state or n-gram tokens advanced by its request's tokens of t).
         Requests join and leave between any two steps, and the tokens are those of one step
         at a time. A step with a prefilling request, and trees built on the host, run in

@@ -11,10 +11,10 @@ counts (and, for the MTP drafter, the next step's hidden state). Inside the prog
    the frontier alone (the MTP head, from each parent's hidden state), and picks each frontier
    node's ``b_{d+1}`` children: the most likely tokens (greedy rows) or ``b_{d+1}`` draws
    without replacement from ``q = softmax(logits / T)`` (Gumbel top-k; sampled rows). The
-   n-gram drafter's static trees are prompt lookups in the rows' tokens, which the step takes
-   as an input and returns with its emitted tokens appended (:func:`ngram_tree`); for its
-   budget trees the host builds the tree (:class:`serving.spec_trees.TreeBuilder`) and the
-   program starts at 2.
+   n-gram drafter's trees are prompt lookups in the rows' tokens, which the step takes as an
+   input and returns with its emitted tokens appended (:func:`ngram_tree` for static trees,
+   :func:`ngram_budget_tree` for budget trees); for trees the host builds (another host
+   drafter in the n-gram one's place, e.g. a replay drafter) the program starts at 2.
 2. **Verify** the whole tree with the target (tree WY or per-node snapshots), writing the tree
    state into the rows' scratch units exactly as the two-program path does.
 3. **Accept** on the device: greedy rows follow the target's argmax; sampled rows run
@@ -50,6 +50,7 @@ from serving.runner import (
     split_table_delta,
     with_table_delta,
 )
+from serving.spec_trees import log_share
 
 # the offsets of the random streams of a step (folded into each row's key)
 _DRAFT_STREAM = 1 << 16
@@ -140,7 +141,8 @@ def _continuations(text, total, ngram_max: int, width: int):
     whose first ``total [R]`` tokens count. For the longest suffix (up to ``ngram_max``
     tokens) that occurred earlier, the tokens that followed its earlier occurrences, the
     ``width`` most frequent (ties: the smaller token first). Returns ``(tokens [R, width],
-    found bool [R, width])``."""
+    found bool [R, width], counts int32 [R, width], occurrences int32 [R])``: each token's
+    count, and the suffix's occurrences (at least 1)."""
     r, w = text.shape
     pos = jnp.arange(w)[None, :]
     cand = jnp.full((r, w), _NO_TOKEN, jnp.int32)
@@ -163,7 +165,8 @@ def _continuations(text, total, ngram_max: int, width: int):
                          reverse=True)  # fmt: skip
     count = jnp.where(start & (s != _NO_TOKEN), nxt - pos, 0)
     top, idx = jax.lax.top_k(count, width)  # equal counts: the lower index, the smaller token
-    return jnp.take_along_axis(s, idx, axis=1), top > 0
+    hits = jnp.maximum(jnp.sum(count, axis=1), 1)
+    return jnp.take_along_axis(s, idx, axis=1), top > 0, top, hits
 
 
 def ngram_tree(history, lengths, root, tree: StaticTree, ngram_max: int):
@@ -189,13 +192,76 @@ def ngram_tree(history, lengths, root, tree: StaticTree, ngram_max: int):
         at = (lengths + 1)[:, None, None] + jnp.arange(d)[None, None, :]
         ctx = ctx.at[rows[:, :, None], jnp.arange(f)[None, :, None], at].set(paths[:, :, :d])
         total = jnp.broadcast_to((lengths + 1 + d)[:, None], (b, f))
-        kids, found = _continuations(ctx.reshape(b * f, -1), total.reshape(-1), ngram_max, w)
+        kids, found, _, _ = _continuations(ctx.reshape(b * f, -1), total.reshape(-1), ngram_max, w)
         kids, found = kids.reshape(b, f * w), found.reshape(b, f * w)
         found &= jnp.repeat(alive[:, lo:hi], w, axis=1)
         tokens = tokens.at[:, off[d + 1] : off[d + 2]].set(jnp.where(found, kids, 0))
         alive = alive.at[:, off[d + 1] : off[d + 2]].set(found)
         paths = jnp.repeat(paths, w, axis=1).at[:, :, d].set(kids)
     parents = jnp.broadcast_to(jnp.asarray(tree.parents), (b, n))
+    toks, par, _ = _compact_tree(alive, tokens, parents, n)
+    return toks, par
+
+
+def budget_prune(alive, score, n: int):
+    """The ``n`` alive slots of highest ``score`` (ties: the lower slot, i.e. the lower depth,
+    then insertion order), as :class:`serving.spec_trees.TreeBuilder` prunes a greedy
+    dynamic tree."""
+    order = jnp.argsort(jnp.where(alive, -score, jnp.inf), axis=1, stable=True)
+    rank = jnp.argsort(order, axis=1, stable=True)
+    return alive & (rank < n)
+
+
+def ngram_budget_tree(history, lengths, root, bt: BudgetTree, ngram_max: int):
+    """The n-gram drafter's dynamic tree on the device, as the host builds it for the
+    one-program step (:class:`serving.drafters.NgramDrafter` filling a greedy
+    :class:`serving.spec_trees.TreeBuilder`): level by level, the ``branch`` alive nodes of
+    depth ``d`` with the highest cumulative log-probability each take up to ``branch``
+    continuations of their context (probability: the continuation's share of the suffix's
+    occurrences), then the ``budget`` nodes of highest cumulative probability stay. A node
+    ranks by the float32 sum of :func:`serving.spec_trees.log_share` along its path (from a
+    table of the counts' float32 logs), formed as the host's builder forms it, so the two
+    rank tied nodes alike (ties: the lower depth, then insertion order). ``history int32 [B, L]`` as :func:`ngram_tree`'s; returns ``(tokens [B,
+    N], parents [B, N])``, ``N = budget``, parent ``-2`` past the end."""
+    b, hl = history.shape
+    c, br, n, depth = bt.slots, bt.branch, bt.budget, bt.depth
+    text = jnp.pad(history, ((0, 0), (0, depth)))
+    rows = jnp.arange(b)[:, None]
+    slot_depth = jnp.asarray(bt.slot_depth)[None, :]
+    tokens = jnp.zeros((b, c), jnp.int32).at[:, 0].set(root)
+    parents = jnp.full((b, c), -1, jnp.int32)  # slot ids
+    # log(k) for the counts k = 1 .. W (a share's count and total), as the host forms them
+    logs = jnp.asarray(log_share(np.arange(1, hl + depth + 1), 1))
+    rank = jnp.zeros((b, c), jnp.float32)  # the sums along the paths
+    alive = jnp.zeros((b, c), bool).at[:, 0].set(True)
+    paths = jnp.zeros((b, c, depth), jnp.int32)  # each slot's tokens after the root
+    for d in range(depth):
+        alive = budget_prune(alive, rank, n)
+        score = jnp.where(alive & (slot_depth == d), rank, -jnp.inf)
+        top, front = jax.lax.top_k(score, br)  # [B, br]: frontier slots by rank
+        front_ok = jnp.isfinite(top)
+        fpaths = paths[rows, front]  # [B, br, depth]
+        ctx = jnp.broadcast_to(text[:, None], (b, br, hl + depth))
+        at = (lengths + 1)[:, None, None] + jnp.arange(d)[None, None, :]
+        ctx = ctx.at[rows[:, :, None], jnp.arange(br)[None, :, None], at].set(fpaths[:, :, :d])
+        total = jnp.broadcast_to((lengths + 1 + d)[:, None], (b, br))
+        kids, found, count, hits = _continuations(
+            ctx.reshape(b * br, -1), total.reshape(-1), ngram_max, br
+        )
+        kids, found, count = (x.reshape(b, br, br) for x in (kids, found, count))
+        share = logs[jnp.maximum(count, 1) - 1] - logs[hits.reshape(b, br, 1) - 1]
+        ok = front_ok[..., None] & found
+        lo = 1 + d * br * br
+        sl = slice(lo, lo + br * br)
+        tokens = tokens.at[:, sl].set(jnp.where(ok, kids, 0).reshape(b, -1))
+        parents = parents.at[:, sl].set(jnp.repeat(front, br, axis=1))
+        child = rank[rows, front][..., None] + share
+        rank = rank.at[:, sl].set(child.reshape(b, -1))
+        alive = alive.at[:, sl].set(ok.reshape(b, -1))
+        paths = paths.at[:, sl].set(
+            jnp.repeat(fpaths, br, axis=1).at[:, :, d].set(kids.reshape(b, -1))
+        )
+    alive = budget_prune(alive, rank, n)
     toks, par, _ = _compact_tree(alive, tokens, parents, n)
     return toks, par
 
@@ -401,7 +467,7 @@ class ProgramKey:
     draft: object  # the draft model's graphdef (draft_model) or None
     draft_spec: ArenaSpec | None
     draft_kernels: ArenaKernels | None
-    tree: StaticTree | BudgetTree | None  # None: the host's trees (n-gram, budget trees)
+    tree: StaticTree | BudgetTree | None  # None: the host's trees
     width: int
     depth: int
     snapshot: bool
@@ -487,11 +553,8 @@ def _program(key: ProgramKey):
             slot_hidden = jnp.zeros((b, c, hidden.shape[-1]), hidden.dtype).at[:, 0].set(hidden)
 
         def prune(alive):
-            # greedy rows: the budget nodes of highest cumulative probability (ties: lower
-            # depth, then insertion order = slot order)
-            order = jnp.argsort(jnp.where(alive, -logp, jnp.inf), axis=1, stable=True)
-            rank = jnp.argsort(order, axis=1, stable=True)
-            return jnp.where(sampled[:, None], alive, alive & (rank < n))
+            # greedy rows: the budget nodes of highest cumulative probability
+            return jnp.where(sampled[:, None], alive, budget_prune(alive, logp, n))
 
         for d in range(bt.depth):
             alive = prune(alive)
@@ -564,7 +627,8 @@ def _program(key: ProgramKey):
         history = None
         if key.drafter == "ngram" and tree is not None:  # hidden: the rows' tokens
             history = hidden
-            tokens, parents = ngram_tree(history, lengths, root, tree, key.ngram_max)
+            make = ngram_budget_tree if isinstance(tree, BudgetTree) else ngram_tree
+            tokens, parents = make(history, lengths, root, tree, key.ngram_max)
             draft_logits = None
         elif isinstance(tree, BudgetTree):
             tokens, parents, draft_logits = draft_budget(
@@ -719,12 +783,10 @@ def pack_inputs(
 class DeviceSpeculator:
     """One jitted program per speculative step (module docstring) over the target's
     :class:`serving.runner.ArenaRunner` (and the draft model's arena runner, or the target's
-    MTP head, or n-gram lookups: static trees on the device, budget trees built on the host)."""
+    MTP head, or n-gram lookups, static and budget trees alike, on the device)."""
 
     def __init__(self, runner, spec, *, drafter: str, draft_runner=None):
-        if drafter == "ngram" and spec.tree is None:
-            tree = None  # budget trees of n-grams: built on the host
-        elif spec.tree is not None:
+        if spec.tree is not None:
             tree = StaticTree(tuple(spec.tree))
         else:
             tree = BudgetTree(spec.budget, spec.depth, spec.branch)
@@ -786,14 +848,14 @@ class DeviceSpeculator:
     @property
     def chains(self) -> bool:
         """Whether steps can follow each other on the device (:meth:`ahead`): the drafter
-        drafts on the device (not the host's n-gram budget trees)."""
+        drafts on the device (every drafter's trees do)."""
         return self.key.tree is not None
 
     @property
     def history(self) -> bool:
         """Whether a step takes the rows' tokens (``hidden``: ``int32 [B, L]``, each row's
-        tokens, its root at its length): the n-gram drafter's static trees, drafted on the
-        device (:func:`ngram_tree`)."""
+        tokens, its root at its length): the n-gram drafter's trees, drafted on the device
+        (:func:`ngram_tree`, :func:`ngram_budget_tree`)."""
         return self.drafter == "ngram" and self.key.tree is not None
 
     def __call__(
@@ -817,9 +879,9 @@ class DeviceSpeculator:
         hidden [B, H]`` (the MTP drafter's next hidden states; None for the others)), fetched
         from the device in one transfer (the arena updated in place). The inputs go to the
         device packed in two arrays (:func:`pack_inputs`); ``hidden``: the MTP drafter's
-        hidden states, or for the n-gram drafter's static trees (:attr:`history`) the rows'
-        tokens ``int32 [B, L]``; ``tokens`` and ``parents``: the host's trees (n-gram budget
-        trees); ``forced int32 [B, N]``: with the host's trees, the target's stand-in choices
+        hidden states, or for the n-gram drafter (:attr:`history`) the rows' tokens ``int32
+        [B, L]``; ``tokens`` and ``parents``: the host's trees (a host drafter in the n-gram
+        one's place); ``forced int32 [B, N]``: with the host's trees, the target's stand-in choices
         (:func:`accept`; a benchmark's replayed continuations)."""
         out, counts, hid = self.ahead(
             handles, pages, lengths, root, scratch, seeds, temp, top_k, top_p,

@@ -5,6 +5,7 @@ host's."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +18,11 @@ from serving import LLM, SamplingParams, SpecConfig
 from serving import acceptance as host
 from serving.drafters import NgramDrafter
 from serving.spec_device import (
+    BudgetTree,
     StaticTree,
     accept,
     append_history,
+    ngram_budget_tree,
     ngram_tree,
     pick_children,
     row_keys,
@@ -79,6 +82,42 @@ def test_ngram_tree_is_the_host_drafters(seed, widths, vocab, ngram_max):
     )
     for i, tb in enumerate(builders):
         want_tokens, want_parents = tb.arrays(spec.num_nodes)
+        np.testing.assert_array_equal(np.asarray(tokens[i]), want_tokens)
+        np.testing.assert_array_equal(np.asarray(parents[i]), want_parents)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shape=st.sampled_from([(10, 3, 3), (6, 4, 2), (16, 3, 4), (4, 2, 2), (2, 5, 1)]),
+    vocab=st.sampled_from([3, 6, 12, 1000]),
+    ngram_max=st.integers(1, 4),
+)
+def test_ngram_budget_tree_is_the_host_drafters(seed, shape, vocab, ngram_max):
+    """The n-gram drafter's budget tree on the device equals the host's (``NgramDrafter``
+    into a greedy ``TreeBuilder``) node for node, on contexts whose counts tie often (small
+    vocabularies: the float32 ranking sums tie alike on both) and on ones with few matches."""
+    budget, depth, branch = shape
+    rng = np.random.default_rng(seed)
+    spec = SpecConfig(
+        method="ngram", budget=budget, depth=depth, branch=branch, ngram_max=ngram_max
+    )
+    b, width = 4, 48
+    lengths = rng.integers(0, 40, b)
+    history = rng.integers(0, vocab, (b, width)).astype(np.int32)  # junk past each root
+    contexts = [history[i, : lengths[i] + 1] for i in range(b)]
+    builders = [TreeBuilder(int(c[-1]), spec, None) for c in contexts]
+    NgramDrafter(ngram_max, vocab).draft(contexts, builders)
+    tokens, parents = ngram_budget_tree(
+        jnp.asarray(history),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(history[np.arange(b), lengths]),
+        BudgetTree(budget, depth, branch),
+        ngram_max,
+    )
+    chex.assert_shape([tokens, parents], (b, budget))
+    for i, tb in enumerate(builders):
+        want_tokens, want_parents = tb.arrays(budget)
         np.testing.assert_array_equal(np.asarray(tokens[i]), want_tokens)
         np.testing.assert_array_equal(np.asarray(parents[i]), want_parents)
 
@@ -258,6 +297,7 @@ DEVICE_VS_HOST = {
         method="draft_model", budget=12, depth=3, branch=3, verify="snapshot"
     ),
     "ngram-32": dict(method="ngram", tree=(3, 2)),
+    "ngram-budget10": dict(method="ngram", budget=10, depth=3, branch=3),
 }
 
 
