@@ -54,6 +54,30 @@ def test_static_tree_is_the_host_builders_layout(widths):
     assert tree.num_nodes == SpecConfig(tree=widths).num_nodes
 
 
+def _check_ngram_tree(seed, spec, vocab, make, tree):
+    """Random contexts of 1 to 40 tokens: ``make`` (the device's builder) on them equals the
+    host's ``NgramDrafter`` into a greedy ``TreeBuilder``, node for node."""
+    rng = np.random.default_rng(seed)
+    b, width, n = 4, 48, spec.num_nodes
+    lengths = rng.integers(0, 40, b)
+    history = rng.integers(0, vocab, (b, width)).astype(np.int32)  # junk past each root
+    contexts = [history[i, : lengths[i] + 1] for i in range(b)]
+    builders = [TreeBuilder(int(c[-1]), spec, None) for c in contexts]
+    NgramDrafter(spec.ngram_max, vocab).draft(contexts, builders)
+    tokens, parents = make(
+        jnp.asarray(history),
+        jnp.asarray(lengths, jnp.int32),
+        jnp.asarray(history[np.arange(b), lengths]),
+        tree,
+        spec.ngram_max,
+    )
+    chex.assert_shape([tokens, parents], (b, n))
+    for i, tb in enumerate(builders):
+        want_tokens, want_parents = tb.arrays(n)
+        np.testing.assert_array_equal(np.asarray(tokens[i]), want_tokens)
+        np.testing.assert_array_equal(np.asarray(parents[i]), want_parents)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -62,28 +86,11 @@ def test_static_tree_is_the_host_builders_layout(widths):
     ngram_max=st.integers(1, 4),
 )
 def test_ngram_tree_is_the_host_drafters(seed, widths, vocab, ngram_max):
-    """The n-gram drafter's static tree on the device equals the host's (``NgramDrafter`` into
-    a ``TreeBuilder``) node for node: contexts of 1 to 40 tokens over small vocabularies (many
-    matches, ties between counts) and a large one (mostly none, nodes without children)."""
-    rng = np.random.default_rng(seed)
+    """The n-gram drafter's static tree on the device equals the host's node for node: small
+    vocabularies (many matches, ties between counts) and a large one (mostly none, nodes
+    without children)."""
     spec = SpecConfig(method="ngram", tree=widths, ngram_max=ngram_max)
-    b, width = 4, 48
-    lengths = rng.integers(0, 40, b)
-    history = rng.integers(0, vocab, (b, width)).astype(np.int32)  # junk past each root
-    contexts = [history[i, : lengths[i] + 1] for i in range(b)]
-    builders = [TreeBuilder(int(c[-1]), spec, None) for c in contexts]
-    NgramDrafter(ngram_max, vocab).draft(contexts, builders)
-    tokens, parents = ngram_tree(
-        jnp.asarray(history),
-        jnp.asarray(lengths, jnp.int32),
-        jnp.asarray(history[np.arange(b), lengths]),
-        StaticTree(widths),
-        ngram_max,
-    )
-    for i, tb in enumerate(builders):
-        want_tokens, want_parents = tb.arrays(spec.num_nodes)
-        np.testing.assert_array_equal(np.asarray(tokens[i]), want_tokens)
-        np.testing.assert_array_equal(np.asarray(parents[i]), want_parents)
+    _check_ngram_tree(seed, spec, vocab, ngram_tree, StaticTree(widths))
 
 
 @settings(max_examples=20, deadline=None)
@@ -94,32 +101,14 @@ def test_ngram_tree_is_the_host_drafters(seed, widths, vocab, ngram_max):
     ngram_max=st.integers(1, 4),
 )
 def test_ngram_budget_tree_is_the_host_drafters(seed, shape, vocab, ngram_max):
-    """The n-gram drafter's budget tree on the device equals the host's (``NgramDrafter``
-    into a greedy ``TreeBuilder``) node for node, on contexts whose counts tie often (small
-    vocabularies: the float32 ranking sums tie alike on both) and on ones with few matches."""
+    """The n-gram drafter's budget tree on the device equals the host's node for node, on
+    contexts whose counts tie often (small vocabularies: the float32 ranking sums tie alike on
+    both) and on ones with few matches."""
     budget, depth, branch = shape
-    rng = np.random.default_rng(seed)
     spec = SpecConfig(
         method="ngram", budget=budget, depth=depth, branch=branch, ngram_max=ngram_max
     )
-    b, width = 4, 48
-    lengths = rng.integers(0, 40, b)
-    history = rng.integers(0, vocab, (b, width)).astype(np.int32)  # junk past each root
-    contexts = [history[i, : lengths[i] + 1] for i in range(b)]
-    builders = [TreeBuilder(int(c[-1]), spec, None) for c in contexts]
-    NgramDrafter(ngram_max, vocab).draft(contexts, builders)
-    tokens, parents = ngram_budget_tree(
-        jnp.asarray(history),
-        jnp.asarray(lengths, jnp.int32),
-        jnp.asarray(history[np.arange(b), lengths]),
-        BudgetTree(budget, depth, branch),
-        ngram_max,
-    )
-    chex.assert_shape([tokens, parents], (b, budget))
-    for i, tb in enumerate(builders):
-        want_tokens, want_parents = tb.arrays(budget)
-        np.testing.assert_array_equal(np.asarray(tokens[i]), want_tokens)
-        np.testing.assert_array_equal(np.asarray(parents[i]), want_parents)
+    _check_ngram_tree(seed, spec, vocab, ngram_budget_tree, BudgetTree(budget, depth, branch))
 
 
 def test_append_history_writes_each_rows_emitted_tokens_after_its_root():
