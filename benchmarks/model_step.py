@@ -315,6 +315,13 @@ def main(argv: list[str] | None = None) -> dict:
         "auto (gdn_jax.pallas_routes.AUTO_NORM_MAX_ROWS; 0: every norm on XLA; default: the "
         "route's own bound)",
     )
+    ap.add_argument(
+        "--moe-decode-tokens",
+        type=int,
+        help="the most tokens whose routed experts run as the one decode kernel under auto "
+        "(gdn_jax.pallas_routes.MOE_DECODE_MAX_TOKENS; 0: the small-M kernels at every size; "
+        "default: the route's own bound)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
@@ -326,6 +333,12 @@ def main(argv: list[str] | None = None) -> dict:
         from gdn_jax import pallas_routes
 
         pallas_routes.AUTO_NORM_MAX_ROWS = args.norm_kernel_rows  # read when the steps trace
+    if args.moe_decode_tokens is not None:
+        if args.moe_decode_tokens < 0:
+            ap.error(f"--moe-decode-tokens: must be >= 0, got {args.moe_decode_tokens}")
+        from gdn_jax import pallas_routes
+
+        pallas_routes.MOE_DECODE_MAX_TOKENS = args.moe_decode_tokens
 
     name, cfg = model_config(args.config, args.smoke)
     if args.smoke:

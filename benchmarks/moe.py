@@ -1,6 +1,6 @@
 """The routed MoE block (gate/up, SiLU, down, weighted combine over the top-k) on one GPU: the
 XLA path (``lax.ragged_dot``), jax's Mosaic GPU ``ragged_dot_mgpu``, and the Triton kernels of
-``pallas_kernels.moe`` (small-M and grouped), each against the floor.
+``pallas_kernels.moe`` (decode, small-M and grouped), each against the floor.
 
 Shapes: ``M`` tokens (``--m``), ``E`` experts (``--experts``), top-``k`` (``--top-k``), hidden
 ``H`` (``--hidden``), expert intermediate ``I`` (``--inter``), ``--dtype`` (default: the
@@ -26,8 +26,9 @@ of an elementwise pass over 1 GiB of random f32 and the matmul rate a bf16 ``819
 the start of the run. Error: per path, the relative error against the XLA path on set 0
 (``rel_err``: whole output; ``row_rel_err``: the worst token row).
 
-Variants: ``--small-blocks``, ``--grouped-blocks``, ``--mgpu-blocks`` (repeatable
-``field=value,...`` specs of ``SmallMBlocks``, ``GroupedBlocks``, ``MgpuBlocks``). A failing
+Variants: ``--decode-blocks``, ``--small-blocks``, ``--grouped-blocks``, ``--mgpu-blocks``
+(repeatable ``field=value,...`` specs of ``DecodeBlocks``, ``SmallMBlocks``, ``GroupedBlocks``,
+``MgpuBlocks``). A failing
 path is recorded in its row (``error``) and the run goes on.
 
     python -m benchmarks.moe --json moe.json                      # the H200 run
@@ -56,7 +57,7 @@ from benchmarks.kernel_profile import profile as profile_kernels  # noqa: E402
 from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
 from gdn_jax.moe import routed_experts  # noqa: E402
 
-PATHS = ("xla", "mgpu", "small_m", "grouped")
+PATHS = ("xla", "mgpu", "decode", "small_m", "grouped")
 DRY = dict(m=[1, 4], experts=8, top_k=2, hidden=32, inter=16, reps=2, sets=2)
 
 
@@ -83,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=400.0,
         help="skip a path at larger M once one call took longer than this",
     )
+    p.add_argument("--decode-blocks", action="append", default=[], help="DecodeBlocks spec")
     p.add_argument("--small-blocks", action="append", default=[], help="SmallMBlocks spec")
     p.add_argument("--grouped-blocks", action="append", default=[], help="GroupedBlocks spec")
     p.add_argument("--mgpu-blocks", action="append", default=[], help="MgpuBlocks spec")
@@ -181,6 +183,10 @@ def variants(args, interpret: bool) -> list[tuple[str, str, object]]:
                 out.append(
                     ("mgpu", label(bl), functools.partial(moe.routed_experts_mgpu, blocks=bl))
                 )
+        elif path == "decode":
+            for bl in parse_blocks(args.decode_blocks, moe.DecodeBlocks):
+                fn = functools.partial(moe.routed_experts_decode, blocks=bl, interpret=interpret)
+                out.append(("decode", label(bl), fn))
         elif path == "small_m":
             for bl in parse_blocks(args.small_blocks, moe.SmallMBlocks):
                 fn = functools.partial(moe.routed_experts_small_m, blocks=bl, interpret=interpret)
@@ -210,7 +216,7 @@ def skip_reason(path: str, fn, m: int, args) -> str:
     """Why ``path`` cannot run at this ``M`` here (empty: it can)."""
     if path == "mgpu" and not moe.mgpu_available():
         return "needs a Hopper GPU (Mosaic GPU has no interpret mode)"
-    if path == "small_m" and m * args.top_k > fn.keywords["blocks"].max_pairs:
+    if path in ("decode", "small_m") and m * args.top_k > fn.keywords["blocks"].max_pairs:
         return f"M * k > max_pairs = {fn.keywords['blocks'].max_pairs}"
     return ""
 

@@ -87,6 +87,7 @@ def routed_experts(
     down_proj: Float[Array, "E I H"],
     *,
     impl: str = "auto",
+    shared: tuple[Float[Array, "M Is"], Float[Array, "H Is"]] | None = None,
 ) -> Float[Array, "M H"]:
     """``out[m] = sum_j weights[m, j] * expert_{experts[m, j]}(x[m])`` (module docstring).
 
@@ -94,18 +95,43 @@ def routed_experts(
     outside ``[0, E)`` is dropped (adds nothing). ``x`` is cast to the expert weights' dtype;
     the result ``[M, H]`` has the expert weights' dtype. ``impl``: ``"auto"``, ``"xla"``,
     ``"pallas"`` or ``"pallas_tpu"``.
+
+    ``shared = (h_s [M, I_s], w_s [H, I_s])`` adds ``h_s w_s^T`` to every token (a shared
+    expert's down projection, ``w_s`` in a linear layer's ``[out, in]`` layout, ``h_s`` its
+    gated activation): on the GPU's decode kernel it runs in the routed experts' launch
+    (:mod:`pallas_kernels.moe.decode`), elsewhere as one matmul added after them, in the
+    weights' dtype.
     """
     x, weights, experts, gate_proj, up_proj, down_proj = as_arrays(
         x, weights, experts, gate_proj, up_proj, down_proj
     )
     m, _, _, h, _ = check_routed_inputs(x, weights, experts, gate_proj, up_proj, down_proj)
+    if shared is not None:
+        from pallas_kernels.moe.decode import check_shared
+
+        shared = tuple(as_arrays(*shared)) if isinstance(shared, tuple | list) else shared
+        check_shared(shared, m, h)
     args = (x, weights, experts.astype(jnp.int32), gate_proj, up_proj, down_proj)
     path = resolve_impl(impl, "routed_experts", *args)
     if m == 0:
         return jnp.zeros((0, h), gate_proj.dtype)
-    if path != "xla":
-        return pallas_op("routed_experts", path)(*args)
-    return _routed_xla(*args)
+    if path == "pallas":
+        return pallas_op("routed_experts", path)(*args, shared=shared)
+    out = pallas_op("routed_experts", path)(*args) if path != "xla" else _routed_xla(*args)
+    return out if shared is None else out + shared_term(*shared, out.dtype)
+
+
+def shared_term(h_s: jax.Array, w_s: jax.Array, dtype) -> jax.Array:
+    """``h_s w_s^T`` in ``dtype`` (``h_s`` cast to ``w_s``'s dtype, f32 accumulation): the
+    ``shared`` term of :func:`routed_experts` off the decode kernel."""
+    y = jnp.einsum(
+        "mi,hi->mh",
+        h_s.astype(w_s.dtype),
+        w_s,
+        precision=_precision(w_s.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    return y.astype(dtype)
 
 
 def _precision(dtype) -> jax.lax.Precision:

@@ -172,14 +172,42 @@ MOE_GROUPED = moe_kernels.GroupedBlocks()
 MOE_FEW_PAIRS = 8192
 
 
-def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj):
-    """``out [M, H]`` of the routed experts (see :func:`gdn_jax.routed_experts`): the small-M
-    kernels when ``M * k <= MOE_SMALL_M.max_pairs``, else the grouped kernels."""
+# Tokens up to which the routed experts run as the one decode kernel (pallas_kernels.moe.decode,
+# with the shared expert's down projection in the same launch).
+MOE_DECODE = moe_kernels.DecodeBlocks()
+MOE_DECODE_MAX_TOKENS = 1
+
+
+def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, shared=None):
+    """``out [M, H]`` of the routed experts (see :func:`gdn_jax.routed_experts`): the decode
+    kernel up to ``MOE_DECODE_MAX_TOKENS`` tokens, the small-M kernels when ``M * k <=
+    MOE_SMALL_M.max_pairs``, else the grouped kernels; ``shared``'s term in the decode kernel,
+    else one matmul after the others."""
+    from gdn_jax.moe import shared_term
+
     args = (x, weights, experts, gate_proj, up_proj, down_proj)
+    if _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared):
+        return moe_kernels.routed_experts_decode(
+            *args, shared, blocks=MOE_DECODE, interpret=_interpret()
+        )
     if _moe_small(experts):
-        return moe_kernels.routed_experts_small_m(*args, blocks=MOE_SMALL_M, interpret=_interpret())
-    blocks = _moe_grouped_blocks(experts, gate_proj.dtype)
-    return moe_kernels.routed_experts_grouped(*args, blocks=blocks, interpret=_interpret())
+        out = moe_kernels.routed_experts_small_m(*args, blocks=MOE_SMALL_M, interpret=_interpret())
+    else:
+        blocks = _moe_grouped_blocks(experts, gate_proj.dtype)
+        out = moe_kernels.routed_experts_grouped(*args, blocks=blocks, interpret=_interpret())
+    return out if shared is None else out + shared_term(*shared, out.dtype)
+
+
+def _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared) -> bool:
+    if x.shape[0] > MOE_DECODE_MAX_TOKENS:
+        return False
+    try:
+        moe_kernels.check_decode(
+            x, weights, experts, gate_proj, up_proj, down_proj, shared, MOE_DECODE
+        )
+    except ValueError:
+        return False
+    return True
 
 
 def _moe_small(experts) -> bool:

@@ -72,11 +72,14 @@ class SparseMoE(nnx.Module):
             num_experts=e,
         )
 
-    def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    def routed(
+        self, x: jax.Array, weights: jax.Array, experts: jax.Array, shared=None
+    ) -> jax.Array:
         """Sum over the ``k`` selected experts of ``weight * expert(x)``; ``x: [M, H]``
-        (:func:`gdn_jax.moe.routed_experts`, in the expert weights' dtype)."""
+        (:func:`gdn_jax.moe.routed_experts`, in the expert weights' dtype), plus ``shared``'s
+        term ``h_s w_s^T`` where given."""
         gw, uw, dw = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
-        return routed_experts(x, weights, experts, gw, uw, dw, impl=self.impl)
+        return routed_experts(x, weights, experts, gw, uw, dw, impl=self.impl, shared=shared)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
@@ -85,10 +88,12 @@ class SparseMoE(nnx.Module):
             proj = self.fused_in.matmul(x2)
             _, gate, up, shared_gate = self.fused_in.split(proj)
             weights, experts = self.route(x2, proj)  # the router reads its columns in place
-            out = self.routed(x2, weights, experts)
-            shared = self.shared_expert.down_proj(jax.nn.silu(gate) * up)
-            shared = jax.nn.sigmoid(shared_gate) * shared
-            return (out + shared).astype(x.dtype).reshape(shape)
+            # the shared expert's gated activation; its down projection runs with the routed
+            # experts (one kernel at decode: pallas_kernels.moe.decode)
+            h_s = jax.nn.sigmoid(shared_gate) * jax.nn.silu(gate) * up
+            w_s = self.shared_expert.down_proj.weight[...]
+            out = self.routed(x2, weights, experts, shared=(h_s, w_s))
+            return out.astype(x.dtype).reshape(shape)
         weights, experts = self.route(x2)
         if self.parallel is not None:  # routed and shared expert over devices, one psum
             return self.parallel(self, x2, weights, experts).astype(x.dtype).reshape(shape)

@@ -2,6 +2,9 @@
 
     out[m] = sum_j w[m, j] * down_e( silu(x[m] gate_e) * (x[m] up_e) ),   e = experts[m, j]
 
+- ``decode.py``: one or a few tokens (decode). One kernel per call: each pair's expert, gate
+  and up with SiLU and the routing weight, then its down projection, as f32 partial rows
+  summed per token (and a shared expert's down projection alongside);
 - ``small_m.py``: few tokens (decode, verify). No routing plan in XLA; one program per first
   pair of each touched expert and column tile, so each touched expert's weights are read once;
   gate and up fused with SiLU and the routing weight, then the down projection;
@@ -11,10 +14,16 @@
   interpret mode);
 - ``reference.py``: dense plain-JAX reference.
 
-The Triton kernels (``small_m``, ``grouped``) take ``interpret=`` and run on CPU in interpret
-mode. Each combines a token's ``k`` weighted pair rows in one XLA reduction.
+The Triton kernels (``decode``, ``small_m``, ``grouped``) take ``interpret=`` and run on CPU in
+interpret mode. Each combines a token's ``k`` weighted pair rows in one XLA reduction.
 """
 
+from pallas_kernels.moe.decode import (
+    DEFAULT_DECODE_BLOCKS,
+    DecodeBlocks,
+    check_decode,
+    routed_experts_decode,
+)
 from pallas_kernels.moe.grouped import (
     DEFAULT_GROUPED_BLOCKS,
     GroupedBlocks,
@@ -35,6 +44,10 @@ from pallas_kernels.moe.small_m import (
 )
 
 __all__ = [
+    "DEFAULT_DECODE_BLOCKS",
+    "DecodeBlocks",
+    "check_decode",
+    "routed_experts_decode",
     "DEFAULT_GROUPED_BLOCKS",
     "DEFAULT_MGPU_BLOCKS",
     "DEFAULT_SMALL_M_BLOCKS",

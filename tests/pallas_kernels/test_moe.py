@@ -28,12 +28,19 @@ ROUTINGS = ("random", "skewed", "all_one", "empty", "duplicates")
 # tiny tiles: several column tiles per program grid and a 16-row block per expert chunk
 SMALL = moe.SmallMBlocks(block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16, split_k=1)
 GROUPED = moe.GroupedBlocks(block_m=16, block_i=16, block_h=16, block_kh=16, block_ki=16, group_m=2)
+DECODE = moe.DecodeBlocks(block_i=16, block_k=16, block_h=16, block_hs=16)
 KERNELS = {
+    "decode": lambda *a: moe.routed_experts_decode(*a, blocks=DECODE, interpret=True),
     "small_m": lambda *a: moe.routed_experts_small_m(*a, blocks=SMALL, interpret=True),
     "grouped": lambda *a: moe.routed_experts_grouped(*a, blocks=GROUPED, interpret=True),
 }
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 PLAN = jax.jit(make_plan, static_argnums=(2, 3))
+DEFAULT_FNS = {
+    "decode": moe.routed_experts_decode,
+    "small_m": moe.routed_experts_small_m,
+    "grouped": moe.routed_experts_grouped,
+}
 
 
 def inputs(kind, m, seed, dtype=jnp.float32):
@@ -66,8 +73,7 @@ def test_kernels_match_reference_and_xla(kernel, kind, dtype):
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_one_token_default_blocks(kernel):
     args = inputs("random", 1, 1)
-    fn = moe.routed_experts_small_m if kernel == "small_m" else moe.routed_experts_grouped
-    out = fn(*args, interpret=True)
+    out = DEFAULT_FNS[kernel](*args, interpret=True)
     assert rel_err(out, routed64(*args)) < 1e-5
 
 
@@ -147,6 +153,18 @@ def _pallas_grids(jaxpr) -> list[tuple]:
     return out
 
 
+def _pallas_names(jaxpr) -> list[str]:
+    """The names of the pallas_calls in a jaxpr, nested calls included, in order."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out.append(eqn.params["jaxpr"].debug_info.func_name)
+        for v in eqn.params.values():
+            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                out += _pallas_names(v.jaxpr)
+    return out
+
+
 def test_reference_matches_float64():
     for kind in ("random", "all_one", "duplicates"):
         args = inputs(kind, 4, 3)
@@ -202,6 +220,75 @@ def test_max_blocks_is_tight():
 # ------------------------------------------------------------------------------ the checks
 
 
+def shared_inputs(m: int, i_s: int, seed: int, dtype=jnp.float32):
+    """A shared expert's gated activation ``h_s [m, i_s]`` and down weight ``w_s [H, i_s]``."""
+    rng = np.random.default_rng(seed)
+    h_s = rng.normal(size=(m, i_s))
+    w_s = rng.normal(size=(H, i_s)) / np.sqrt(i_s)
+    return jnp.asarray(h_s, dtype), jnp.asarray(w_s, dtype)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    kind=st.sampled_from(ROUTINGS),
+    m=st.integers(1, 3),
+    i_s=st.sampled_from([16, 48]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_decode_kernel_with_shared_term(kind, m, i_s, seed):
+    """The decode kernel's ``shared`` programs (the shared expert's down projection) against
+    float64, for a term narrower and wider than the routed experts' ``I``."""
+    args = inputs(kind, m, seed)
+    h_s, w_s = shared_inputs(m, i_s, seed)
+    out = moe.routed_experts_decode(*args, (h_s, w_s), blocks=DECODE, interpret=True)
+    ref = routed64(*args) + np.asarray(h_s, np.float64) @ np.asarray(w_s, np.float64).T
+    assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_routed_experts_shared_term(impl):
+    """``gdn_jax.routed_experts(..., shared=)``: the decode kernel at one token (``pallas``),
+    one matmul after the small-M kernels at four, the XLA path's matmul (``xla``)."""
+    for m in (1, 4):
+        args = inputs("random", m, 3)
+        h_s, w_s = shared_inputs(m, 48, 3)
+        out = routed_experts(*args, impl=impl, shared=(h_s, w_s))
+        ref = routed64(*args) + np.asarray(h_s, np.float64) @ np.asarray(w_s, np.float64).T
+        assert rel_err(out, ref) < 1e-5, (m, rel_err(out, ref))
+
+
+def test_pallas_route_takes_the_decode_kernel_at_one_token():
+    names = lambda m: _pallas_names(
+        jax.make_jaxpr(lambda *a: routed_experts(*a, impl="pallas"))(*inputs("random", m, 0)).jaxpr
+    )
+    assert names(1) == ["moe_decode"], names(1)
+    assert names(2) == ["moe_small_m_gate_up", "moe_small_m_down"], names(2)
+
+
+@pytest.mark.parametrize(
+    "shared, match",
+    [
+        ("one", "^shared: expected a pair"),
+        ((np.ones((2, 16)), np.ones((H, 16))), r"^shared: h_s must be \[M=1"),
+        ((np.ones((1, 16)), np.ones((H, 24))), r"^shared: w_s must be \[H=32, I_s=16\]"),
+        ((np.ones((1, 16), np.int32), np.ones((H, 16))), "^shared: h_s must be floating"),
+    ],
+)
+def test_shared_term_checks(shared, match):
+    args = inputs("random", 1, 0)
+    with pytest.raises(ValueError, match=match):
+        routed_experts(*args, impl="xla", shared=shared)
+    if isinstance(shared, tuple):  # the jitted kernel takes arrays only
+        with pytest.raises(ValueError, match=match):
+            moe.routed_experts_decode(*args, shared, blocks=DECODE, interpret=True)
+
+
+def test_decode_pair_limit():
+    args = inputs("random", 8, 0)
+    with pytest.raises(ValueError, match="^experts: the decode MoE kernel takes at most 16"):
+        moe.routed_experts_decode(*args, blocks=moe.DecodeBlocks(max_pairs=16), interpret=True)
+
+
 def test_small_m_pair_limit():
     args = inputs("random", 8, 0)
     with pytest.raises(ValueError, match="^experts: the small-M MoE kernel takes at most 16"):
@@ -223,7 +310,7 @@ def test_kernel_input_checks(change, name):
     experts, weights = make_routing("random", 2, K, E, rng)
     x = jnp.ones((2, h), change.get("x_dtype", jnp.float32))
     experts = jnp.asarray(experts, change.get("e_dtype", jnp.int32))
-    for fn in (moe.routed_experts_small_m, moe.routed_experts_grouped):
+    for fn in DEFAULT_FNS.values():
         with pytest.raises(ValueError, match=f"^{name}:"):
             fn(x, weights, experts, *make_experts(rng, E, h, i), interpret=True)
 
@@ -239,6 +326,10 @@ def test_kernel_input_checks(change, name):
         (moe.SmallMBlocks, dict(split_k=-1), "split_k"),
         (moe.SmallMBlocks, dict(target_programs=0), "target_programs"),
         (moe.GroupedBlocks, dict(block_h=48), "block_h"),
+        (moe.DecodeBlocks, dict(block_k=24), "block_k"),
+        (moe.DecodeBlocks, dict(block_hs=8), "block_hs"),
+        (moe.DecodeBlocks, dict(max_pairs=0), "max_pairs"),
+        (moe.DecodeBlocks, dict(num_stages=0), "num_stages"),
         (moe.GroupedBlocks, dict(group_m=0), "group_m"),
         (moe.MgpuBlocks, dict(block_k=48), "block_k"),
     ],
@@ -279,6 +370,24 @@ def test_lowers_for_sm90(h200, kernel, m, dtype):
     fn = moe.routed_experts_small_m if kernel == "small_m" else moe.routed_experts_grouped
     names = [name for name, _ in h200(fn, *args)]
     assert names == [f"moe_{kernel}_gate_up", f"moe_{kernel}_down"], names
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_decode_lowers_for_sm90(h200, dtype):
+    """The decode kernel at Qwen3.5-35B-A3B shapes, one token with the shared expert's down
+    projection (I_s 512), default blocks: one launch."""
+    s = jax.ShapeDtypeStruct
+    args = (
+        s((1, 2048), dtype),
+        s((1, 8), dtype),
+        s((1, 8), jnp.int32),
+        s((256, 2048, 512), dtype),
+        s((256, 2048, 512), dtype),
+        s((256, 512, 2048), dtype),
+        (s((1, 512), dtype), s((2048, 512), dtype)),
+    )
+    names = [name for name, _ in h200(moe.routed_experts_decode, *args)]
+    assert names == ["moe_decode"], names
 
 
 def test_small_m_split_lowers_for_sm90(h200):

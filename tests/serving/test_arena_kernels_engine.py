@@ -371,9 +371,10 @@ def test_prefill_pallas_equals_xla_without_page_gathers(llms, target):
             other[seg, span] = False
             x, p = bx[seg, span].view(np.float32), bp[seg, span].view(np.float32)
             # XLA's prefill runs the chunked (WY) rule, the kernel the sequential one: the same
-            # math summed in another order, those f32 ulps grown through the layers (measured
-            # here: |diff| <= 2e-5 on values up to 2.6)
-            np.testing.assert_allclose(p, x, rtol=1e-5, atol=1e-4, err_msg=f"{kind} unit")
+            # math summed in another order, those f32 ulps grown through the layers (measured:
+            # |diff| <= 2e-5 on values up to 2.6 on one host, 1.4e-4 at 1.03 on another, whose
+            # CPU kernels sum in another order)
+            np.testing.assert_allclose(p, x, rtol=1e-5, atol=3e-4, err_msg=f"{kind} unit")
             if kind == "state":
                 assert not np.array_equal(bp[seg, span], base[seg, span])  # prefill wrote it
     np.testing.assert_array_equal(bp[other], bx[other])

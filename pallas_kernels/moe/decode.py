@@ -1,0 +1,232 @@
+"""Routed experts of a decode step in one kernel: gate, up, SiLU, routing weight and down.
+
+    out[m] = sum_j w[m, j] * down_e( silu(x[m] gate_e) * (x[m] up_e) )  [+ h_s[m] W_s^T]
+
+For one or a few tokens the two kernels of :mod:`pallas_kernels.moe.small_m` plus the XLA
+fusions between and after them (partial sums, the SiLU product, the combine) are five to six
+launches of a few microseconds each per layer, and the shared expert's down projection is
+another. Here program ``(p, j)`` of a grid ``(n [+ M], T)`` owns pair ``p`` (token ``p // k``,
+expert ``e = experts[p]``) and the ``block_i`` columns ``j`` of ``I``, and does the whole
+expert for them:
+
+1. ``g = x[tok] gate_e[:, cols]``, ``u = x[tok] up_e[:, cols]`` (the loop over ``H`` reads
+   ``gate_e`` and ``up_e``'s column tile once; products and sums in f32);
+2. ``h = w[p] * silu(g) * u``, rounded to the weights' dtype (as the two-kernel path stores it);
+3. ``y = h down_e[cols, :]`` over all of ``H`` (the tile's ``block_i`` rows of ``down_e``), stored
+   as an f32 partial row of the token (row ``(p mod k) T + j`` of its ``k T`` rows).
+
+So each pair's expert is read once (``3 H I`` weights over its ``T`` programs) and each token's
+partial rows are summed after the kernel by one reduction, in a fixed order (no atomics,
+deterministic). A token that names an expert twice, or two tokens that share one, read it
+once per pair: meant for ``M * k`` up to a few dozen pairs. A pair whose id lies outside
+``[0, E)`` stores a zero row.
+
+``shared = (h_s [M, I_s], w_s [H, I_s])`` adds a dense term ``h_s w_s^T`` per token (the shared
+expert's down projection, ``w_s`` in the ``[out, in]`` layout of a linear layer, ``h_s`` its
+gated activation): ``M`` more programs along the grid's first axis, program ``(n + m, j)``
+computing rows ``j * block_hs ..`` of token ``m``'s term (contiguous rows of ``w_s``) into the
+token's last partial row (``k T + 1`` rows a token).
+
+At Qwen3.5-35B-A3B's MoE (E 256, k 8, H 2048, I 512, bf16) one decode token reads 8 experts
+of 6.3 MB and the shared expert's 2 MB down projection: 52 MB, 12.4 us at 4.2 TB/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._wy import F32
+from pallas_kernels.moe._common import check_moe_inputs, fit_block, swiglu
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlocks:
+    """Static knobs of the decode kernel. ``block_i``: columns of ``I`` per program (so ``I /
+    block_i`` programs per pair, each reading ``block_i``-wide column tiles of gate and up and
+    ``block_i`` rows of down); ``block_k``: rows of ``H`` per step of the gate/up loop;
+    ``block_h``: columns of ``H`` per step of the down loop; ``block_hs``: rows of the shared
+    term's ``w_s`` per program; ``max_pairs``: the most pairs ``M * k`` a call may have;
+    ``num_warps``, ``num_stages``: Triton launch knobs. Block sizes are powers of two >= 16; a
+    kernel uses the largest power of two <= the knob that divides the dimension."""
+
+    block_i: int = 32
+    block_k: int = 64
+    block_h: int = 256
+    block_hs: int = 128
+    max_pairs: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_i", "block_k", "block_h", "block_hs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"{name}: a power of two >= 16, got {v!r}")
+        if self.max_pairs < 1:
+            raise ValueError(f"max_pairs: at least 1, got {self.max_pairs}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages: at least 1, got {self.num_stages}")
+
+
+DEFAULT_DECODE_BLOCKS = DecodeBlocks()
+
+
+def _kernel(
+    ids_ref, w_ref, x_ref, g_ref, u_ref, d_ref, *refs, n, k, e, tiles, bi, bk, bh, bhs, bks
+):
+    """Program ``(p, j)``: pair ``p``'s expert over column tile ``j`` of ``I``, or for ``p >= n``
+    rows ``j`` of token ``p - n``'s shared term (module docstring)."""
+    shared = len(refs) == 3
+    per_token = k * tiles + int(shared)  # a token's partial rows: its pairs', its shared term's
+    hs_ref, ws_ref, y_ref = refs if shared else (None, None, *refs)
+    p, j = pl.program_id(0), pl.program_id(1)
+    h_dim = x_ref.shape[1]
+
+    @pl.when((p < n) & (j < tiles))
+    def _routed():
+        pc = jnp.minimum(p, n - 1)
+        ex = ids_ref[pc]
+        ok = (ex >= 0) & (ex < e)
+        ec = jnp.clip(ex, 0, e - 1)
+        tok = pc // k
+        cols = pl.ds(j * bi, bi)
+        row = tok * per_token + (pc - tok * k) * tiles + j
+
+        @pl.when(ok)
+        def _():
+            def step(s, acc):
+                ag, au = acc
+                xs = x_ref[tok, pl.ds(s * bk, bk)].astype(g_ref.dtype).astype(F32)[:, None]
+                ag = ag + xs * g_ref[ec, pl.ds(s * bk, bk), cols].astype(F32)
+                au = au + xs * u_ref[ec, pl.ds(s * bk, bk), cols].astype(F32)
+                return ag, au
+
+            zero = jnp.zeros((bk, bi), F32)
+            ag, au = jax.lax.fori_loop(0, h_dim // bk, step, (zero, zero))
+            wt = w_ref[pc].astype(F32)
+            h = swiglu(jnp.sum(ag, axis=0), jnp.sum(au, axis=0)) * wt  # [bi]
+            h = h.astype(d_ref.dtype).astype(F32)[:, None]
+
+            def down(c, carry):
+                dt = d_ref[ec, cols, pl.ds(c * bh, bh)].astype(F32)  # [bi, bh]
+                y_ref[row, pl.ds(c * bh, bh)] = jnp.sum(h * dt, axis=0)
+                return carry
+
+            jax.lax.fori_loop(0, h_dim // bh, down, 0)
+
+        @pl.when(~ok)
+        def _():
+            def zero_row(c, carry):
+                y_ref[row, pl.ds(c * bh, bh)] = jnp.zeros((bh,), F32)
+                return carry
+
+            jax.lax.fori_loop(0, h_dim // bh, zero_row, 0)
+
+    if shared:
+
+        @pl.when((p >= n) & (j < h_dim // bhs))
+        def _shared():
+            m = jnp.maximum(p - n, 0)
+            rows = pl.ds(j * bhs, bhs)
+            i_s = hs_ref.shape[1]
+
+            def step(s, acc):
+                hv = hs_ref[m, pl.ds(s * bks, bks)].astype(ws_ref.dtype).astype(F32)[None, :]
+                return acc + hv * ws_ref[rows, pl.ds(s * bks, bks)].astype(F32)
+
+            acc = jax.lax.fori_loop(0, i_s // bks, step, jnp.zeros((bhs, bks), F32))
+            y_ref[m * per_token + k * tiles, rows] = jnp.sum(acc, axis=1)
+
+
+def check_decode(x, weights, experts, gate, up, down, shared, blocks: DecodeBlocks):
+    """``(M, k, E, H, I)``; ``ValueError`` naming the argument for inputs the kernel cannot
+    take (:func:`pallas_kernels.moe._common.check_moe_inputs`, more than ``blocks.max_pairs``
+    pairs, a ``shared`` term of the wrong shape)."""
+    m, k, e, h, i = check_moe_inputs(x, weights, experts, gate, up, down)
+    if m * k > blocks.max_pairs:
+        raise ValueError(
+            f"experts: the decode MoE kernel takes at most {blocks.max_pairs} token-expert "
+            f"pairs (M * k), got {m} * {k} = {m * k}; use the small-M kernels"
+        )
+    if shared is not None:
+        check_shared(shared, m, h)
+        fit_block("I_s", shared[0].shape[1], 16)
+    return m, k, e, h, i
+
+
+def check_shared(shared, m: int, h: int) -> None:
+    """``ValueError`` unless ``shared`` is ``(h_s [M, I_s], w_s [H, I_s])`` of float arrays."""
+    if not isinstance(shared, tuple | list) or len(shared) != 2:
+        raise ValueError("shared: expected a pair (h_s [M, I_s], w_s [H, I_s])")
+    hs, ws = shared
+    if getattr(hs, "ndim", None) != 2 or hs.shape[0] != m:
+        raise ValueError(
+            f"shared: h_s must be [M={m}, I_s], got shape {getattr(hs, 'shape', None)}"
+        )
+    if getattr(ws, "ndim", None) != 2 or ws.shape != (h, hs.shape[1]):
+        raise ValueError(
+            f"shared: w_s must be [H={h}, I_s={hs.shape[1]}] (a linear layer's [out, in]), got "
+            f"shape {getattr(ws, 'shape', None)}"
+        )
+    for name, a in (("h_s", hs), ("w_s", ws)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"shared: {name} must be floating point, got {a.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def routed_experts_decode(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    shared: tuple[jax.Array, jax.Array] | None = None,
+    *,
+    blocks: DecodeBlocks = DEFAULT_DECODE_BLOCKS,
+    interpret: bool = False,
+) -> jax.Array:
+    """``out [M, H]`` in the expert weights' dtype (module docstring): ``x [M, H]``,
+    ``weights [M, k]``, ``experts int [M, k]`` (ids outside ``[0, E)`` add nothing),
+    ``gate, up [E, H, I]``, ``down [E, I, H]``, optional ``shared = (h_s [M, I_s], w_s [H,
+    I_s])``. Raises ``ValueError`` before launching for inputs the kernel cannot take."""
+    m, k, e, h, i = check_decode(x, weights, experts, gate, up, down, shared, blocks)
+    n = m * k
+    bi = fit_block("I", i, blocks.block_i)
+    bk = fit_block("H", h, blocks.block_k)
+    bh = fit_block("H", h, blocks.block_h)
+    tiles = i // bi
+    extra, cols = (), tiles
+    rows = n * tiles
+    bhs = bks = 16
+    if shared is not None:
+        bhs = fit_block("H", h, blocks.block_hs)
+        bks = fit_block("I_s", shared[0].shape[1], blocks.block_k)
+        extra = (shared[0], shared[1])
+        cols = max(tiles, h // bhs)
+        rows += m
+    kernel = functools.partial(
+        _kernel, n=n, k=k, e=e, tiles=tiles, bi=bi, bk=bk, bh=bh, bhs=bhs, bks=bks
+    )
+    whole = pl.BlockSpec(memory_space=None)
+    y = pl.pallas_call(
+        kernel,
+        grid=(n + (m if shared is not None else 0), cols),
+        in_specs=[whole] * (6 + len(extra)),
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((rows, h), F32),
+        compiler_params=plt.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
+        interpret=interpret,
+        name="moe_decode",
+    )(experts.reshape(-1).astype(jnp.int32), weights.reshape(-1), x, gate, up, down, *extra)
+    return y.reshape(m, rows // m, h).sum(axis=1).astype(gate.dtype)
