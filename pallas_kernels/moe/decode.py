@@ -10,7 +10,8 @@ expert ``e = experts[p]``) and the ``block_i`` columns ``j`` of ``I``, and does 
 expert for them:
 
 1. ``g = x[tok] gate_e[:, cols]``, ``u = x[tok] up_e[:, cols]`` (the loop over ``H`` reads
-   ``gate_e`` and ``up_e``'s column tile once; products and sums in f32);
+   ``gate_e`` and ``up_e``'s column tile once, as dots of 16 rows, the token's and zeros, whose
+   loop the compiler pipelines; f32 accumulation);
 2. ``h = w[p] * silu(g) * u``, rounded to the weights' dtype (as the two-kernel path stores it);
 3. ``y = h down_e[cols, :]`` over all of ``H`` (the tile's ``block_i`` rows of ``down_e``), stored
    as an f32 partial row of the token (row ``(p mod k) T + j`` of its ``k T`` rows).
@@ -41,8 +42,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._wy import F32
-from pallas_kernels.moe._common import check_moe_inputs, fit_block, swiglu
+from pallas_kernels._wy import F32, PRECISIONS
+from pallas_kernels.moe._common import check_moe_inputs, fit_block, mm, swiglu, weight_precision
+
+# rows of every dot: the token's row and zeros (a Triton dot takes at least 16 rows; a dot's
+# loop is the one the compiler pipelines, its weight tiles loaded stages ahead)
+DOT_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +57,18 @@ class DecodeBlocks:
     ``block_i`` rows of down); ``block_k``: rows of ``H`` per step of the gate/up loop;
     ``block_h``: columns of ``H`` per step of the down loop; ``block_hs``: rows of the shared
     term's ``w_s`` per program; ``max_pairs``: the most pairs ``M * k`` a call may have;
-    ``num_warps``, ``num_stages``: Triton launch knobs. Block sizes are powers of two >= 16; a
+    ``num_warps``, ``num_stages``: Triton launch knobs; ``precision``: the dot precision for
+    float32 weights (bf16 / f16 weights: one exact-product pass, f32 accumulation). Block sizes are powers of two >= 16; a
     kernel uses the largest power of two <= the knob that divides the dimension."""
 
     block_i: int = 32
-    block_k: int = 64
-    block_h: int = 256
-    block_hs: int = 128
+    block_k: int = 256
+    block_h: int = 512
+    block_hs: int = 64
     max_pairs: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    precision: str = "tf32x3"
 
     def __post_init__(self):
         for name in ("block_i", "block_k", "block_h", "block_hs"):
@@ -74,18 +81,38 @@ class DecodeBlocks:
             raise ValueError(f"num_warps: one of 1, 2, 4, 8, 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages: at least 1, got {self.num_stages}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: one of {tuple(PRECISIONS)}, got {self.precision!r}")
 
 
 DEFAULT_DECODE_BLOCKS = DecodeBlocks()
 
 
 def _kernel(
-    ids_ref, w_ref, x_ref, g_ref, u_ref, d_ref, *refs, n, k, e, tiles, bi, bk, bh, bhs, bks
+    ids_ref,
+    w_ref,
+    x_ref,
+    g_ref,
+    u_ref,
+    d_ref,
+    *refs,
+    n,
+    k,
+    e,
+    tiles,
+    bi,
+    bk,
+    bh,
+    bhs,
+    bks,
+    precision,
 ):
     """Program ``(p, j)``: pair ``p``'s expert over column tile ``j`` of ``I``, or for ``p >= n``
     rows ``j`` of token ``p - n``'s shared term (module docstring)."""
     shared = len(refs) == 3
     per_token = k * tiles + int(shared)  # a token's partial rows: its pairs', its shared term's
+    first = jax.lax.broadcasted_iota(jnp.int32, (DOT_ROWS, 1), 0) == 0
+    first_col = jax.lax.broadcasted_iota(jnp.int32, (1, DOT_ROWS), 1) == 0
     hs_ref, ws_ref, y_ref = refs if shared else (None, None, *refs)
     p, j = pl.program_id(0), pl.program_id(1)
     h_dim = x_ref.shape[1]
@@ -104,20 +131,21 @@ def _kernel(
         def _():
             def step(s, acc):
                 ag, au = acc
-                xs = x_ref[tok, pl.ds(s * bk, bk)].astype(g_ref.dtype).astype(F32)[:, None]
-                ag = ag + xs * g_ref[ec, pl.ds(s * bk, bk), cols].astype(F32)
-                au = au + xs * u_ref[ec, pl.ds(s * bk, bk), cols].astype(F32)
+                xs = x_ref[tok, pl.ds(s * bk, bk)].astype(g_ref.dtype)
+                xs = jnp.where(first, xs[None, :], 0).astype(g_ref.dtype)  # [DOT_ROWS, bk]
+                ag = ag + mm(xs, g_ref[ec, pl.ds(s * bk, bk), cols], precision)
+                au = au + mm(xs, u_ref[ec, pl.ds(s * bk, bk), cols], precision)
                 return ag, au
 
-            zero = jnp.zeros((bk, bi), F32)
+            zero = jnp.zeros((DOT_ROWS, bi), F32)
             ag, au = jax.lax.fori_loop(0, h_dim // bk, step, (zero, zero))
             wt = w_ref[pc].astype(F32)
             h = swiglu(jnp.sum(ag, axis=0), jnp.sum(au, axis=0)) * wt  # [bi]
-            h = h.astype(d_ref.dtype).astype(F32)[:, None]
+            h = jnp.where(first, h[None, :], 0).astype(d_ref.dtype)  # [DOT_ROWS, bi]
 
             def down(c, carry):
-                dt = d_ref[ec, cols, pl.ds(c * bh, bh)].astype(F32)  # [bi, bh]
-                y_ref[row, pl.ds(c * bh, bh)] = jnp.sum(h * dt, axis=0)
+                y = mm(h, d_ref[ec, cols, pl.ds(c * bh, bh)], precision)  # [DOT_ROWS, bh]
+                y_ref[row, pl.ds(c * bh, bh)] = jnp.sum(y, axis=0)
                 return carry
 
             jax.lax.fori_loop(0, h_dim // bh, down, 0)
@@ -139,10 +167,11 @@ def _kernel(
             i_s = hs_ref.shape[1]
 
             def step(s, acc):
-                hv = hs_ref[m, pl.ds(s * bks, bks)].astype(ws_ref.dtype).astype(F32)[None, :]
-                return acc + hv * ws_ref[rows, pl.ds(s * bks, bks)].astype(F32)
+                hv = hs_ref[m, pl.ds(s * bks, bks)].astype(ws_ref.dtype)
+                hv = jnp.where(first_col, hv[:, None], 0).astype(ws_ref.dtype)  # [bks, DOT_ROWS]
+                return acc + mm(ws_ref[rows, pl.ds(s * bks, bks)], hv, precision)
 
-            acc = jax.lax.fori_loop(0, i_s // bks, step, jnp.zeros((bhs, bks), F32))
+            acc = jax.lax.fori_loop(0, i_s // bks, step, jnp.zeros((bhs, DOT_ROWS), F32))
             y_ref[m * per_token + k * tiles, rows] = jnp.sum(acc, axis=1)
 
 
@@ -214,7 +243,17 @@ def routed_experts_decode(
         cols = max(tiles, h // bhs)
         rows += m
     kernel = functools.partial(
-        _kernel, n=n, k=k, e=e, tiles=tiles, bi=bi, bk=bk, bh=bh, bhs=bhs, bks=bks
+        _kernel,
+        n=n,
+        k=k,
+        e=e,
+        tiles=tiles,
+        bi=bi,
+        bk=bk,
+        bh=bh,
+        bhs=bhs,
+        bks=bks,
+        precision=weight_precision(gate.dtype, blocks.precision, interpret),
     )
     whole = pl.BlockSpec(memory_space=None)
     y = pl.pallas_call(
