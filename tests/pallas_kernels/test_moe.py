@@ -409,3 +409,27 @@ def test_small_m_split_lowers_for_sm90(h200):
         assert names == ["moe_small_m_gate_up", "moe_small_m_down"], names
         if blocks.split_k == 0:
             assert grids == [(16, 4, 8), (16, 8, 4)], grids
+
+
+def test_fused_moe_block_runs_the_decode_kernel_with_its_shared_expert():
+    """A model's MoE block with fused projections (as the engine runs it) at one token: the
+    decode kernel (interpret mode) takes the routed experts and the shared expert's down
+    projection in one launch, and gives the unfused block's output (float32)."""
+    from flax import nnx
+
+    from gdn_jax.models import fuse_projections
+    from gdn_jax.models.create import init_random
+    from tests.gdn_jax.models.test_create import TINY_MOE
+
+    model = init_random(TINY_MOE, jnp.float32, seed=5)
+    block = model.layers[0].mlp
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(1, TINY_MOE.hidden_size)), jnp.float32)
+    want = np.asarray(block(x))
+    fused = nnx.merge(*nnx.split(model))
+    fuse_projections(fused)
+    fblock = fused.layers[0].mlp
+    for impl in ("pallas", "xla"):
+        fblock.impl = impl
+        names = _pallas_names(jax.make_jaxpr(lambda v: fblock(v))(x).jaxpr)
+        assert names == (["moe_route_topk", "moe_decode"] if impl == "pallas" else []), names
+        assert rel_err(fblock(x), want) < 1e-5, (impl, rel_err(fblock(x), want))
