@@ -39,16 +39,23 @@ class TileBlocks:
     precision: str = "tf32x3"
 
     def __post_init__(self):
-        for name in ("block_m", "block_i", "block_h", "block_kh", "block_ki"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name}: a power of two >= 16, got {v}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: one of 1, 2, 4, 8, 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages: at least 1, got {self.num_stages}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision: one of {tuple(PRECISIONS)}, got {self.precision!r}")
+        check_knobs(self, ("block_m", "block_i", "block_h", "block_kh", "block_ki"))
+
+
+def check_knobs(blocks, block_names: tuple[str, ...]) -> None:
+    """``ValueError`` naming the field unless each of ``block_names`` is a power of two >= 16,
+    ``num_warps`` one of 1, 2, 4, 8, 16, ``num_stages`` >= 1 and ``precision`` a known name
+    (the Triton MoE kernels' knob dataclasses)."""
+    for name in block_names:
+        v = getattr(blocks, name)
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{name}: a power of two >= 16, got {v!r}")
+    if blocks.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps: one of 1, 2, 4, 8, 16, got {blocks.num_warps}")
+    if blocks.num_stages < 1:
+        raise ValueError(f"num_stages: at least 1, got {blocks.num_stages}")
+    if blocks.precision not in PRECISIONS:
+        raise ValueError(f"precision: one of {tuple(PRECISIONS)}, got {blocks.precision!r}")
 
 
 def fit_block(name: str, size: int, want: int) -> int:

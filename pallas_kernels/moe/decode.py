@@ -42,8 +42,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._wy import F32, PRECISIONS
-from pallas_kernels.moe._common import check_moe_inputs, fit_block, mm, swiglu, weight_precision
+from pallas_kernels._wy import F32
+from pallas_kernels.moe._common import (
+    check_knobs,
+    check_moe_inputs,
+    fit_block,
+    mm,
+    swiglu,
+    weight_precision,
+)
 
 # rows of every dot: the token's row and zeros (a Triton dot takes at least 16 rows; a dot's
 # loop is the one the compiler pipelines, its weight tiles loaded stages ahead)
@@ -58,8 +65,10 @@ class DecodeBlocks:
     ``block_h``: columns of ``H`` per step of the down loop; ``block_hs``: rows of the shared
     term's ``w_s`` per program; ``max_pairs``: the most pairs ``M * k`` a call may have;
     ``num_warps``, ``num_stages``: Triton launch knobs; ``precision``: the dot precision for
-    float32 weights (bf16 / f16 weights: one exact-product pass, f32 accumulation). Block sizes are powers of two >= 16; a
-    kernel uses the largest power of two <= the knob that divides the dimension."""
+    float32 weights (bf16 / f16 weights: one exact-product pass, f32 accumulation). Block sizes
+    are powers of two >= 16; a kernel uses the largest power of two <= the knob that divides
+    the dimension. The defaults did best in a sweep on the H200 at Qwen3.5-35B-A3B's MoE, one
+    token (``benchmarks/README.md#moe``)."""
 
     block_i: int = 32
     block_k: int = 256
@@ -71,18 +80,9 @@ class DecodeBlocks:
     precision: str = "tf32x3"
 
     def __post_init__(self):
-        for name in ("block_i", "block_k", "block_h", "block_hs"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"{name}: a power of two >= 16, got {v!r}")
+        check_knobs(self, ("block_i", "block_k", "block_h", "block_hs"))
         if self.max_pairs < 1:
             raise ValueError(f"max_pairs: at least 1, got {self.max_pairs}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps: one of 1, 2, 4, 8, 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages: at least 1, got {self.num_stages}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision: one of {tuple(PRECISIONS)}, got {self.precision!r}")
 
 
 DEFAULT_DECODE_BLOCKS = DecodeBlocks()
