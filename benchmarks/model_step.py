@@ -322,9 +322,21 @@ def main(argv: list[str] | None = None) -> dict:
         "(gdn_jax.pallas_routes.MOE_DECODE_MAX_TOKENS; 0: the small-M kernels at every size; "
         "default: the route's own bound)",
     )
+    ap.add_argument(
+        "--compile-cache",
+        default="",
+        metavar="DIR",
+        help="XLA's persistent compilation cache here ('' = off): a later run on the same "
+        "machine whose programs match loads them from disk (at 40 layers the B 1 programs "
+        "take most of a run to compile)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.compile_cache:
+        from serving.cli import compile_cache
+
+        compile_cache(args.compile_cache)
     if min(args.batch + args.tree_sizes) < 1 or min(args.reps, args.context) < 1:
         ap.error("--batch, --tree-sizes, --reps and --context must be positive")
     if args.norm_kernel_rows is not None:
