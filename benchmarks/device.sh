@@ -28,6 +28,9 @@
 #   moe_small_m         moe: the small-M kernel at M 1/4/16/64, its defaults (automatic split)
 #                       against fixed splits and narrower tiles, kernel time profiled, each op
 #                       on its own copy of the weights
+#   moe_decode          moe: the one-launch decode kernel at M 1 and 2 against small_m, both with
+#                       the shared expert's down projection (I_s 512) as the model passes it,
+#                       kernel time profiled
 #   moe_grouped         moe: the grouped kernel at M 464/1024/2048 and 8192, defaults against the
 #                       routed 32- and 128-row tiles, kernel time profiled
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
@@ -171,6 +174,10 @@ step() {
       --profile --sets 8 --reps 20 --small-blocks "" --small-blocks split_k=1 \
       --small-blocks $old,split_k=1 --small-blocks $old --small-blocks block_i=64,block_h=128 \
       --small-blocks target_programs=512 --json "$(json moe h200_small_m)"
+    ;;
+  moe_decode)
+    TAILN=20 run 240 moe h200_decode python3 -m benchmarks.moe --m 1,2 --paths decode,small_m \
+      --profile --sets 8 --reps 20 --shared-inter 512 --json "$(json moe h200_decode)"
     ;;
   moe_grouped)
     local few=block_m=32,block_i=128,block_h=256,block_kh=64,block_ki=64,num_stages=4

@@ -26,6 +26,11 @@ of an elementwise pass over 1 GiB of random f32 and the matmul rate a bf16 ``819
 the start of the run. Error: per path, the relative error against the XLA path on set 0
 (``rel_err``: whole output; ``row_rel_err``: the worst token row).
 
+``--shared-inter I_s`` adds a shared expert's down projection to every op, as the model's fused
+MoE block passes it (``routed_experts(shared=)``): inside the decode kernel's launch, one matmul
+after the other paths; its weight (``[H, I_s]``, one per weight copy) and activations count in
+the floor.
+
 Variants: ``--decode-blocks``, ``--small-blocks``, ``--grouped-blocks``, ``--mgpu-blocks``
 (repeatable ``field=value,...`` specs of ``DecodeBlocks``, ``SmallMBlocks``, ``GroupedBlocks``,
 ``MgpuBlocks``). A failing
@@ -55,7 +60,7 @@ import pallas_kernels.moe as moe  # noqa: E402
 from benchmarks.common import ints, log, markdown_table, parse_blocks, write_json  # noqa: E402
 from benchmarks.kernel_profile import profile as profile_kernels  # noqa: E402
 from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
-from gdn_jax.moe import routed_experts  # noqa: E402
+from gdn_jax.moe import routed_experts, shared_term  # noqa: E402
 
 PATHS = ("xla", "mgpu", "decode", "small_m", "grouped")
 DRY = dict(m=[1, 4], experts=8, top_k=2, hidden=32, inter=16, reps=2, sets=2)
@@ -69,6 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--shared-inter",
+        type=int,
+        default=0,
+        help="a shared expert of this intermediate size whose down projection each op adds "
+        "(as the model's fused MoE block passes it: in the decode kernel's launch, one matmul "
+        "after the other paths); 0: none",
+    )
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS}")
     p.add_argument("--reps", type=int, default=10, help="timed runs per program (median)")
     p.add_argument("--sets", type=int, default=4, help="input sets per M (one program)")
@@ -102,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.weight_copies < 0:
         p.error("--weight-copies: at least 0 (0: one per input set)")
+    if args.shared_inter < 0:
+        p.error("--shared-inter: at least 0 (0: no shared expert)")
     if args.dry_run:
         for key, val in DRY.items():
             setattr(args, key, val)
@@ -147,33 +162,65 @@ def per_op_us(f, sets, reps: int) -> tuple[float, float]:
 def expert_weights(args, dtype, copy: int = 0):
     """``gate, up [E, H, I]``, ``down [E, I, H]`` ~ N(0, 1) / sqrt(fan-in) (``copy``: which of
     the ``--weight-copies``)."""
-    keys = jax.random.split(jax.random.fold_in(jax.random.key(args.seed), copy), 3)
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(args.seed), copy), 4)
     e, h, i = args.experts, args.hidden, args.inter
-    return (
+    out = (
         (jax.random.normal(keys[0], (e, h, i), jnp.float32) / h**0.5).astype(dtype),
         (jax.random.normal(keys[1], (e, h, i), jnp.float32) / h**0.5).astype(dtype),
         (jax.random.normal(keys[2], (e, i, h), jnp.float32) / i**0.5).astype(dtype),
     )
+    if args.shared_inter:  # the shared expert's down projection, [H, I_s] (a linear layer's)
+        w_s = jax.random.normal(keys[3], (h, args.shared_inter), jnp.float32)
+        out += ((w_s / args.shared_inter**0.5).astype(dtype),)
+    return out
 
 
 def input_sets(args, m: int, dtype) -> list[tuple]:
-    """``--sets`` fresh ``(x, weights, experts)``: softmax top-k routing of random logits."""
+    """``--sets`` fresh ``(x, weights, experts[, h_s])``: softmax top-k routing of random
+    logits (and the shared expert's activation ``h_s [M, I_s]`` with ``--shared-inter``)."""
     out = []
     for s in range(args.sets):
-        kx, kl = jax.random.split(jax.random.key(1000 * m + s + args.seed))
+        kx, kl, ks = jax.random.split(jax.random.key(1000 * m + s + args.seed), 3)
         x = jax.random.normal(kx, (m, args.hidden), jnp.float32).astype(dtype)
         probs = jax.nn.softmax(jax.random.normal(kl, (m, args.experts), jnp.float32), axis=-1)
         top_p, top_i = jax.lax.top_k(probs, args.top_k)
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-        out.append((x, top_p.astype(dtype), top_i.astype(jnp.int32)))
+        one = (x, top_p.astype(dtype), top_i.astype(jnp.int32))
+        if args.shared_inter:
+            one += (jax.random.normal(ks, (m, args.shared_inter), jnp.float32).astype(dtype),)
+        out.append(one)
     return out
 
 
 # ---------------------------------------------------------------------------------------- paths
 
 
+def with_shared(path: str, fn):
+    """``fn`` taking a set's ``(x, w, e, h_s, gate, up, down, w_s)`` (``--shared-inter``): the
+    decode kernel runs the shared term in its launch, the other paths add it after."""
+    if path == "decode":
+
+        def wrapped(x, w, e, h_s, g, u, d, w_s):
+            return fn(x, w, e, g, u, d, (h_s, w_s))
+    else:
+
+        def wrapped(x, w, e, h_s, g, u, d, w_s):
+            return fn(x, w, e, g, u, d) + shared_term(h_s, w_s, g.dtype)
+
+    wrapped.keywords = getattr(fn, "keywords", {})  # the knobs, as skip_reason reads them
+    return wrapped
+
+
 def variants(args, interpret: bool) -> list[tuple[str, str, object]]:
-    """``(path, variant label, fn(x, w, e, gate, up, down))`` of every path and knob spec."""
+    """``(path, variant label, fn(*set))`` of every path and knob spec; a set is ``(x, w, e,
+    gate, up, down)``, with ``--shared-inter`` ``(x, w, e, h_s, gate, up, down, w_s)``."""
+    out = _variants(args, interpret)
+    if args.shared_inter:
+        out = [(path, var, with_shared(path, fn)) for path, var, fn in out]
+    return out
+
+
+def _variants(args, interpret: bool) -> list[tuple[str, str, object]]:
     out = []
     for path in args.paths:
         if path == "xla":
@@ -230,6 +277,9 @@ def bench_m(args, m, weights, paths, rates, slow: set) -> list[dict]:
     size = jnp.dtype(dtype).itemsize
     nbytes = touched * 3 * h * i * size + 2 * m * h * size
     flops = 2.0 * n * 3 * h * i
+    if args.shared_inter:  # w_s and h_s read
+        nbytes += (h + m) * args.shared_inter * size
+        flops += 2.0 * m * h * args.shared_inter
     floor_bw, floor_mm = nbytes / rates["copy_Bps"], flops / rates["matmul_flops"]
     floor_us = 1e6 * max(floor_bw, floor_mm)
     base = dict(

@@ -216,3 +216,23 @@ def test_fused_projections_smoke(tmp_path):
     assert fused["weight_arrays"] < plain["weight_arrays"]
     assert len(fused["rounds"]["ms"]) == 2 and fused["ms_ratio"] > 0
     assert json.loads((tmp_path / "f.json").read_text())["rows"][0]["batch"] == 2
+
+
+def test_moe_dry_run_with_a_shared_expert(tmp_path):
+    """``benchmarks.moe --shared-inter``: every path adds the shared expert's down projection
+    (the decode kernel in its launch) and lands near the XLA path; the floor counts its bytes."""
+    from benchmarks import moe
+
+    out = tmp_path / "moe.json"
+    moe.main(["--dry-run", "--paths", "xla,decode", "--json", str(out)])
+    plain = {(r["m"], r["path"]): r for r in json.loads(out.read_text())["rows"]}
+    moe.main(["--dry-run", "--paths", "xla,decode", "--shared-inter", "16", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["m"], r["path"]) for r in rows} == {
+        (m, p) for m in (1, 4) for p in ("xla", "decode")
+    }
+    for r in rows:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["bytes"] == plain[r["m"], r["path"]]["bytes"] + (32 + r["m"]) * 16 * 2
+        if r["path"] == "decode":
+            assert r["rel_err"] < 2e-2, r
