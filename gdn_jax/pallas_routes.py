@@ -175,8 +175,8 @@ MOE_FEW_PAIRS = 8192
 # Tokens up to which the routed experts run as the one decode kernel (pallas_kernels.moe.decode,
 # with the shared expert's down projection in the same launch): at M 1 on the H200 19.6 us of
 # kernel time against the small-M kernels' 22.4 (1.60x and 1.84x the floor), two launches a
-# layer fewer; at M 4 its first build ran 1.75x+ its floor against small_m's 1.19x
-# (`python -m benchmarks.moe --paths decode,small_m --profile`).
+# layer fewer; M >= 2 stays on small_m (1.19x at M 4; the decode kernel was not measured there
+# with its dots) (`python -m benchmarks.moe --paths decode,small_m --profile`).
 MOE_DECODE = moe_kernels.DecodeBlocks()
 MOE_DECODE_MAX_TOKENS = 1
 

@@ -239,7 +239,7 @@ def routed_experts_decode(
     if shared is not None:
         bhs = fit_block("H", h, blocks.block_hs)
         bks = fit_block("I_s", shared[0].shape[1], blocks.block_k)
-        extra = (shared[0], shared[1])
+        extra = tuple(shared)
         cols = max(tiles, h // bhs)
         rows += m
     kernel = functools.partial(
@@ -258,7 +258,7 @@ def routed_experts_decode(
     whole = pl.BlockSpec(memory_space=None)
     y = pl.pallas_call(
         kernel,
-        grid=(n + (m if shared is not None else 0), cols),
+        grid=(n + (m if extra else 0), cols),
         in_specs=[whole] * (6 + len(extra)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((rows, h), F32),
