@@ -51,12 +51,14 @@ def _family(name: str) -> str:
     return re.sub(r"[._]\d+$", "", re.sub(r"(_\d+)+$", "", name))
 
 
-def profile(fn, block, calls: int = 5, top: int = 12) -> dict:
+def profile(fn, block, calls: int = 5, top: int = 12, sequence: bool = False) -> dict:
     """Profiles ``calls`` calls of ``fn()`` (each blocked by ``block(out)``).
 
     Returns ``kernels`` (kernel events per call), ``busy_ms`` (their summed time per call),
     ``span_ms`` (first kernel start to last kernel end, median over calls; the calls are
-    told apart by an idle gap put between them), and ``top``: ``[{name, per_call, ms}]`` by time."""
+    told apart by an idle gap put between them), and ``top``: ``[{name, per_call, ms}]`` by time.
+    With ``sequence``, also ``sequence``: ``[name, us]`` of every kernel of the call whose busy
+    time is the median, in launch order (to match kernels to the program's HLO one by one)."""
     block(fn())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -67,10 +69,12 @@ def profile(fn, block, calls: int = 5, top: int = 12) -> dict:
         events, lines = _device_events(paths[0]) if paths else ([], [])
     if not events:
         return {"kernels": None, "note": "no device kernel events in the trace", "lines": lines}
-    return summarize(events, top)
+    return summarize(events, top, sequence)
 
 
-def summarize(events: list[tuple[str, float, float]], top: int = 12) -> dict:
+def summarize(
+    events: list[tuple[str, float, float]], top: int = 12, sequence: bool = False
+) -> dict:
     """:func:`profile`'s figures from kernel events ``(name, start_ns, duration_ns)`` of
     several calls, the calls told apart by idle gaps of more than ``GAP_NS / 2``."""
     events = sorted(events, key=lambda e: e[1])
@@ -91,10 +95,14 @@ def summarize(events: list[tuple[str, float, float]], top: int = 12) -> dict:
         acc[1] += dur
     n = len(groups)
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {
+    out = {
         "calls": n,
         "kernels": len(events) / n,
         "busy_ms": sum(e[2] for e in events) / n / 1e6,
         "span_ms": spans[len(spans) // 2],
         "top": [{"name": k, "per_call": c / n, "ms": t / n / 1e6} for k, (c, t) in rows],
     }
+    if sequence:
+        mid = sorted(groups, key=lambda g: sum(e[2] for e in g))[n // 2]
+        out["sequence"] = [[name, round(dur / 1e3, 3)] for name, _, dur in mid]
+    return out

@@ -295,6 +295,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--profile-top", type=int, default=12, help="kernel names listed per profile (default 12)"
     )
     ap.add_argument(
+        "--profile-sequence",
+        action="store_true",
+        help="with --profile, also write every kernel of one step in launch order with its "
+        "time (the JSON's profiles[].sequence)",
+    )
+    ap.add_argument(
         "--routing",
         default="balanced",
         choices=["balanced", "model"],
@@ -330,9 +336,19 @@ def main(argv: list[str] | None = None) -> dict:
         "machine whose programs match loads them from disk (at 40 layers the B 1 programs "
         "take most of a run to compile)",
     )
+    ap.add_argument(
+        "--xla-remat",
+        action="store_true",
+        help="leave XLA's rematerialization pass on in the step programs (serving.launch."
+        "REMAT_OFF = False; default: off, as the engine compiles them)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny dims and sizes (CPU check)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.xla_remat:
+        from serving import launch
+
+        launch.REMAT_OFF = False  # read when the engine jits its step programs
     if args.compile_cache:
         from serving.cli import compile_cache
 
@@ -429,7 +445,9 @@ def main(argv: list[str] | None = None) -> dict:
     def add(row: dict, call=None) -> None:
         row["over_floor"] = row["ms"] / row["floor_ms"]
         if args.profile and call is not None:
-            prof = profile_kernels(call, block, top=args.profile_top)
+            prof = profile_kernels(
+                call, block, top=args.profile_top, sequence=args.profile_sequence
+            )
             row.update({k: prof.get(k) for k in ("kernels", "busy_ms", "span_ms")})
             doc.setdefault("profiles", []).append(
                 dict(step=row["step"], batch=row["batch"], **prof)

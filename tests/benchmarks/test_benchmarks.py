@@ -152,6 +152,17 @@ def test_kernel_profile_summarizes_calls():
         ("gemm_fusion_dot", 1),
         ("loop_add_fusion", 2),
     ]
+    assert "sequence" not in out
+    # the call of median busy time, kernel by kernel in launch order (the first call's
+    # gemm takes longer, the second's shorter, so the third is the median)
+    events[1] = ("gemm_fusion_dot_12", 3000.0, 9000.0)
+    events[4] = ("gemm_fusion_dot_12", 4 * GAP_NS + 3000, 1000.0)
+    seq = summarize(events, sequence=True)["sequence"]
+    assert seq == [
+        ["loop_add_fusion.2", 1.0],
+        ["gemm_fusion_dot_12", 5.0],
+        ["loop_add_fusion.7", 2.0],
+    ]
 
 
 def test_step_kernels_counts_entry_launches():

@@ -37,6 +37,25 @@ def test_by_tokens_routes_by_the_step_size():
     assert per_row.pick((one,)) is per_row.graphs and per_row.pick((two,)) is per_row.kernels
 
 
+def test_step_programs_compile_without_xla_rematerialization(monkeypatch):
+    """Both variants carry the launch options and switch XLA's rematerialization pass off
+    (the compiler accepts the options: the program compiles and runs); on a TPU the pass is
+    left alone, and ``REMAT_OFF = False`` leaves it on everywhere."""
+    f = launch.ByTokens(lambda t: jnp.cos(t) * 2.0, 4, 0)
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(f(x), np.cos(x) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(f.kernels(x), np.cos(x) * 2.0, rtol=1e-6)
+    for graphs in (True, False):
+        opts = launch.options(graphs)
+        assert opts["xla_disable_hlo_passes"] == "rematerialization", opts
+        assert ("xla_gpu_enable_command_buffer" in opts) == (not graphs)
+    monkeypatch.setattr(launch.jax, "default_backend", lambda: "tpu")
+    assert "xla_disable_hlo_passes" not in launch.options(True)
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "REMAT_OFF", False)
+    assert launch.options(False) == launch.NO_GRAPHS
+
+
 @pytest.mark.parametrize("graph_tokens", [0, 1 << 20, None])
 def test_engine_steps_take_the_variant_of_their_size(graph_tokens):
     """``cuda_graph_max_tokens=0`` compiles no graph variant, a huge bound and ``None`` (the
