@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int
 from gdn_jax._prep import as_arrays
 from gdn_jax.dispatch import pallas_op, resolve_impl
 from pallas_kernels.moe._common import sort_pairs
+from pallas_kernels.moe.decode import SharedGLU
 
 
 def _fail(arg: str, rule: str) -> None:
@@ -87,7 +88,7 @@ def routed_experts(
     down_proj: Float[Array, "E I H"],
     *,
     impl: str = "auto",
-    shared: tuple[Float[Array, "M Is"], Float[Array, "H Is"]] | None = None,
+    shared=None,
 ) -> Float[Array, "M H"]:
     """``out[m] = sum_j weights[m, j] * expert_{experts[m, j]}(x[m])`` (module docstring).
 
@@ -100,7 +101,10 @@ def routed_experts(
     expert's down projection, ``w_s`` in a linear layer's ``[out, in]`` layout, ``h_s`` its
     gated activation): on the GPU's decode kernel it runs in the routed experts' launch
     (:mod:`pallas_kernels.moe.decode`), elsewhere as one matmul added after them, in the
-    weights' dtype.
+    weights' dtype. ``shared =`` :class:`SharedGLU` ``(act, w_s, gate_col, up_col, logit_col)``
+    gives ``h_s`` by its pre-activations, columns of ``act [M, C]`` (a fused projection's
+    output): ``h_s = sigmoid(logit) * silu(gate) * up``, formed inside the decode kernel (no
+    launch of its own) or by XLA elsewhere.
     """
     x, weights, experts, gate_proj, up_proj, down_proj = as_arrays(
         x, weights, experts, gate_proj, up_proj, down_proj
@@ -111,6 +115,13 @@ def routed_experts(
 
         shared = tuple(as_arrays(*shared)) if isinstance(shared, tuple | list) else shared
         check_shared(shared, m, h)
+        if isinstance(shared, SharedGLU):
+            shared = SharedGLU(
+                *as_arrays(shared.act, shared.w_s),
+                gate_col=shared.gate_col,
+                up_col=shared.up_col,
+                logit_col=shared.logit_col,
+            )
     args = (x, weights, experts.astype(jnp.int32), gate_proj, up_proj, down_proj)
     path = resolve_impl(impl, "routed_experts", *args)
     if m == 0:
@@ -118,7 +129,15 @@ def routed_experts(
     if path == "pallas":
         return pallas_op("routed_experts", path)(*args, shared=shared)
     out = pallas_op("routed_experts", path)(*args) if path != "xla" else _routed_xla(*args)
-    return out if shared is None else out + shared_term(*shared, out.dtype)
+    return out if shared is None else out + shared_term(*shared_pair(shared), out.dtype)
+
+
+def shared_pair(shared) -> tuple[jax.Array, jax.Array]:
+    """``(h_s, w_s)`` of a ``shared`` argument of :func:`routed_experts` (a
+    :class:`SharedGLU`'s activation computed by XLA)."""
+    if isinstance(shared, SharedGLU):
+        return shared.activation(), shared.w_s
+    return tuple(shared)
 
 
 def shared_term(h_s: jax.Array, w_s: jax.Array, dtype) -> jax.Array:

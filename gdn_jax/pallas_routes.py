@@ -186,7 +186,7 @@ def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, shared
     kernel up to ``MOE_DECODE_MAX_TOKENS`` tokens, the small-M kernels when ``M * k <=
     MOE_SMALL_M.max_pairs``, else the grouped kernels; ``shared``'s term in the decode kernel,
     else one matmul after the others."""
-    from gdn_jax.moe import shared_term
+    from gdn_jax.moe import shared_pair, shared_term
 
     args = (x, weights, experts, gate_proj, up_proj, down_proj)
     if _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared):
@@ -198,7 +198,7 @@ def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, shared
     else:
         blocks = _moe_grouped_blocks(experts, gate_proj.dtype)
         out = moe_kernels.routed_experts_grouped(*args, blocks=blocks, interpret=_interpret())
-    return out if shared is None else out + shared_term(*shared, out.dtype)
+    return out if shared is None else out + shared_term(*shared_pair(shared), out.dtype)
 
 
 def _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared) -> bool:

@@ -16,7 +16,7 @@ from flax import nnx
 
 from gdn_jax.models.linear import Linear, normal_init
 from gdn_jax.models.mlp import MLP
-from gdn_jax.moe import balanced_route, route_topk, routed_experts
+from gdn_jax.moe import SharedGLU, balanced_route, route_topk, routed_experts
 
 
 class SparseMoE(nnx.Module):
@@ -77,7 +77,7 @@ class SparseMoE(nnx.Module):
     ) -> jax.Array:
         """Sum over the ``k`` selected experts of ``weight * expert(x)``; ``x: [M, H]``
         (:func:`gdn_jax.moe.routed_experts`, in the expert weights' dtype), plus ``shared``'s
-        term ``h_s w_s^T`` where given."""
+        term where given (a pair ``(h_s, w_s)`` or a :class:`gdn_jax.moe.SharedGLU`)."""
         gw, uw, dw = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
         return routed_experts(x, weights, experts, gw, uw, dw, impl=self.impl, shared=shared)
 
@@ -86,13 +86,19 @@ class SparseMoE(nnx.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.fused_in is not None:
             proj = self.fused_in.matmul(x2)
-            _, gate, up, shared_gate = self.fused_in.split(proj)
             weights, experts = self.route(x2, proj)  # the router reads its columns in place
-            # the shared expert's gated activation; its down projection runs with the routed
-            # experts (one kernel at decode: pallas_kernels.moe.decode)
-            h_s = jax.nn.sigmoid(shared_gate) * jax.nn.silu(gate) * up
-            w_s = self.shared_expert.down_proj.weight[...]
-            out = self.routed(x2, weights, experts, shared=(h_s, w_s))
+            # the shared expert: its gated activation from its columns of the projection (in
+            # place) and its down projection run with the routed experts (one kernel at
+            # decode: pallas_kernels.moe.decode)
+            cols = self.fused_in.columns  # [router | gate | up | shared gate] offsets
+            shared = SharedGLU(
+                proj,
+                self.shared_expert.down_proj.weight[...],
+                gate_col=cols[1],
+                up_col=cols[2],
+                logit_col=cols[3],
+            )
+            out = self.routed(x2, weights, experts, shared=shared)
             return out.astype(x.dtype).reshape(shape)
         weights, experts = self.route(x2)
         if self.parallel is not None:  # routed and shared expert over devices, one psum

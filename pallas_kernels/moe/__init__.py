@@ -21,6 +21,7 @@ interpret mode. Each combines a token's ``k`` weighted pair rows in one XLA redu
 from pallas_kernels.moe.decode import (
     DEFAULT_DECODE_BLOCKS,
     DecodeBlocks,
+    SharedGLU,
     check_decode,
     routed_experts_decode,
 )
@@ -46,6 +47,7 @@ from pallas_kernels.moe.small_m import (
 __all__ = [
     "DEFAULT_DECODE_BLOCKS",
     "DecodeBlocks",
+    "SharedGLU",
     "check_decode",
     "routed_experts_decode",
     "DEFAULT_GROUPED_BLOCKS",

@@ -26,7 +26,11 @@ once per pair: meant for ``M * k`` up to a few dozen pairs. A pair whose id lies
 expert's down projection, ``w_s`` in the ``[out, in]`` layout of a linear layer, ``h_s`` its
 gated activation): ``M`` more programs along the grid's first axis, program ``(n + m, j)``
 computing rows ``j * block_hs ..`` of token ``m``'s term (contiguous rows of ``w_s``) into the
-token's last partial row (``k T + 1`` rows a token).
+token's last partial row (``k T + 1`` rows a token). ``shared =`` :class:`SharedGLU` gives the
+activation as its pre-activations instead, columns of a wider array such as a fused input
+projection's output: each of those programs forms ``sigmoid(logit) * silu(gate) * up`` from
+them itself (f32, rounded once to ``w_s``'s dtype), so no kernel runs between the projection
+and this one.
 
 At Qwen3.5-35B-A3B's MoE (E 256, k 8, H 2048, I 512, bf16) one decode token reads 8 experts
 of 6.3 MB and the shared expert's 2 MB down projection: 52 MB, 12.4 us at 4.2 TB/s.
@@ -88,6 +92,33 @@ class DecodeBlocks:
 DEFAULT_DECODE_BLOCKS = DecodeBlocks()
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedGLU:
+    """A shared expert's down-projection input given by its pre-activations, read in place:
+
+        h_s = sigmoid(act[:, logit_col]) * silu(act[:, gate_col : gate_col + I_s])
+              * act[:, up_col : up_col + I_s]
+
+    with ``act [M, C]`` (e.g. a fused projection's output: the router's logits, the shared
+    expert's gate and up projections and its gate logit side by side), ``w_s [H, I_s]`` its
+    down projection (a linear layer's ``[out, in]`` layout). The column offsets are static. The
+    ``shared`` argument of :func:`routed_experts_decode` and :func:`gdn_jax.routed_experts`."""
+
+    act: jax.Array
+    w_s: jax.Array
+    gate_col: int = dataclasses.field(metadata=dict(static=True))
+    up_col: int = dataclasses.field(metadata=dict(static=True))
+    logit_col: int = dataclasses.field(metadata=dict(static=True))
+
+    def activation(self) -> jax.Array:
+        """``h_s [M, I_s]`` in ``act``'s dtype, computed by XLA (the paths without the decode
+        kernel)."""
+        a, i = self.act, self.w_s.shape[1]
+        g, u = a[:, self.gate_col : self.gate_col + i], a[:, self.up_col : self.up_col + i]
+        return jax.nn.sigmoid(a[:, self.logit_col : self.logit_col + 1]) * jax.nn.silu(g) * u
+
+
 def _kernel(
     ids_ref,
     w_ref,
@@ -106,9 +137,12 @@ def _kernel(
     bhs,
     bks,
     precision,
+    glu=None,
 ):
     """Program ``(p, j)``: pair ``p``'s expert over column tile ``j`` of ``I``, or for ``p >= n``
-    rows ``j`` of token ``p - n``'s shared term (module docstring)."""
+    rows ``j`` of token ``p - n``'s shared term (module docstring); ``glu``: the
+    :class:`SharedGLU` column offsets ``(gate, up, logit)`` of the shared input, else it is
+    ``h_s`` itself."""
     shared = len(refs) == 3
     per_token = k * tiles + int(shared)  # a token's partial rows: its pairs', its shared term's
     first = jax.lax.broadcasted_iota(jnp.int32, (DOT_ROWS, 1), 0) == 0
@@ -164,10 +198,19 @@ def _kernel(
         def _shared():
             m = jnp.maximum(p - n, 0)
             rows = pl.ds(j * bhs, bhs)
-            i_s = hs_ref.shape[1]
+            i_s = ws_ref.shape[1]
+            if glu is not None:
+                gc, uc, lc = glu
+                z = hs_ref[m, lc].astype(F32)
+                sig = 1.0 / (1.0 + jnp.exp(-z))
 
             def step(s, acc):
-                hv = hs_ref[m, pl.ds(s * bks, bks)].astype(ws_ref.dtype)
+                if glu is None:
+                    hv = hs_ref[m, pl.ds(s * bks, bks)].astype(ws_ref.dtype)
+                else:
+                    g = hs_ref[m, pl.ds(gc + s * bks, bks)].astype(F32)
+                    u = hs_ref[m, pl.ds(uc + s * bks, bks)].astype(F32)
+                    hv = (sig * swiglu(g, u)).astype(ws_ref.dtype)
                 hv = jnp.where(first_col, hv[:, None], 0).astype(ws_ref.dtype)  # [bks, DOT_ROWS]
                 return acc + mm(ws_ref[rows, pl.ds(s * bks, bks)], hv, precision)
 
@@ -187,14 +230,45 @@ def check_decode(x, weights, experts, gate, up, down, shared, blocks: DecodeBloc
         )
     if shared is not None:
         check_shared(shared, m, h)
-        fit_block("I_s", shared[0].shape[1], 16)
+        fit_block("I_s", shared_weight(shared).shape[1], 16)
     return m, k, e, h, i
 
 
+def shared_weight(shared) -> jax.Array:
+    """``w_s`` of a ``shared`` argument (a pair or a :class:`SharedGLU`)."""
+    return shared.w_s if isinstance(shared, SharedGLU) else shared[1]
+
+
 def check_shared(shared, m: int, h: int) -> None:
-    """``ValueError`` unless ``shared`` is ``(h_s [M, I_s], w_s [H, I_s])`` of float arrays."""
+    """``ValueError`` unless ``shared`` is ``(h_s [M, I_s], w_s [H, I_s])`` of float arrays or
+    a :class:`SharedGLU` whose ``act [M, C]`` holds its columns."""
+    if isinstance(shared, SharedGLU):
+        act, ws = shared.act, shared.w_s
+        if getattr(act, "ndim", None) != 2 or act.shape[0] != m:
+            raise ValueError(
+                f"shared: act must be [M={m}, C], got shape {getattr(act, 'shape', None)}"
+            )
+        if getattr(ws, "ndim", None) != 2 or ws.shape[0] != h:
+            raise ValueError(
+                f"shared: w_s must be [H={h}, I_s] (a linear layer's [out, in]), got shape "
+                f"{getattr(ws, 'shape', None)}"
+            )
+        i_s, c = ws.shape[1], act.shape[1]
+        for name, col, width in (
+            ("gate_col", shared.gate_col, i_s),
+            ("up_col", shared.up_col, i_s),
+            ("logit_col", shared.logit_col, 1),
+        ):
+            if not isinstance(col, int) or col < 0 or col + width > c:
+                raise ValueError(
+                    f"shared: {name} {col} + {width} columns do not fit act's {c} columns"
+                )
+        for name, a in (("act", act), ("w_s", ws)):
+            if not jnp.issubdtype(a.dtype, jnp.floating):
+                raise ValueError(f"shared: {name} must be floating point, got {a.dtype}")
+        return
     if not isinstance(shared, tuple | list) or len(shared) != 2:
-        raise ValueError("shared: expected a pair (h_s [M, I_s], w_s [H, I_s])")
+        raise ValueError("shared: expected a pair (h_s [M, I_s], w_s [H, I_s]) or a SharedGLU")
     hs, ws = shared
     if getattr(hs, "ndim", None) != 2 or hs.shape[0] != m:
         raise ValueError(
@@ -218,7 +292,7 @@ def routed_experts_decode(
     gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
-    shared: tuple[jax.Array, jax.Array] | None = None,
+    shared: tuple[jax.Array, jax.Array] | SharedGLU | None = None,
     *,
     blocks: DecodeBlocks = DEFAULT_DECODE_BLOCKS,
     interpret: bool = False,
@@ -226,7 +300,7 @@ def routed_experts_decode(
     """``out [M, H]`` in the expert weights' dtype (module docstring): ``x [M, H]``,
     ``weights [M, k]``, ``experts int [M, k]`` (ids outside ``[0, E)`` add nothing),
     ``gate, up [E, H, I]``, ``down [E, I, H]``, optional ``shared = (h_s [M, I_s], w_s [H,
-    I_s])``. Raises ``ValueError`` before launching for inputs the kernel cannot take."""
+    I_s])`` or a :class:`SharedGLU`. Raises ``ValueError`` before launching for inputs the kernel cannot take."""
     m, k, e, h, i = check_decode(x, weights, experts, gate, up, down, shared, blocks)
     n = m * k
     bi = fit_block("I", i, blocks.block_i)
@@ -236,10 +310,15 @@ def routed_experts_decode(
     extra, cols = (), tiles
     rows = n * tiles
     bhs = bks = 16
+    glu = None
     if shared is not None:
+        w_s = shared_weight(shared)
         bhs = fit_block("H", h, blocks.block_hs)
-        bks = fit_block("I_s", shared[0].shape[1], blocks.block_k)
-        extra = tuple(shared)
+        bks = fit_block("I_s", w_s.shape[1], blocks.block_k)
+        if isinstance(shared, SharedGLU):
+            extra, glu = (shared.act, w_s), (shared.gate_col, shared.up_col, shared.logit_col)
+        else:
+            extra = tuple(shared)
         cols = max(tiles, h // bhs)
         rows += m
     kernel = functools.partial(
@@ -254,6 +333,7 @@ def routed_experts_decode(
         bhs=bhs,
         bks=bks,
         precision=weight_precision(gate.dtype, blocks.precision, interpret),
+        glu=glu,
     )
     whole = pl.BlockSpec(memory_space=None)
     y = pl.pallas_call(

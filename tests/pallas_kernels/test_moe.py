@@ -257,6 +257,64 @@ def test_routed_experts_shared_term(impl):
         assert rel_err(out, ref) < 1e-5, (m, rel_err(out, ref))
 
 
+def glu_inputs(m: int, i_s: int, seed: int, dtype=jnp.float32):
+    """A :class:`SharedGLU` over a random ``act [m, C]`` (other columns around the shared
+    expert's, as in a fused projection: 8 router columns, gate, up, the logit last) and the
+    float64 ``h_s = sigmoid(logit) * silu(gate) * up`` it stands for."""
+    rng = np.random.default_rng(seed)
+    act = rng.normal(size=(m, 8 + 2 * i_s + 1))
+    w_s = rng.normal(size=(H, i_s)) / np.sqrt(i_s)
+    act, w_s = jnp.asarray(act, dtype), jnp.asarray(w_s, dtype)
+    a = np.asarray(act, np.float64)
+    g, u, z = a[:, 8 : 8 + i_s], a[:, 8 + i_s : 8 + 2 * i_s], a[:, -1:]
+    h_s = g / (1 + np.exp(-g)) * u / (1 + np.exp(-z))
+    glu = moe.SharedGLU(act, w_s, gate_col=8, up_col=8 + i_s, logit_col=8 + 2 * i_s)
+    return glu, h_s
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_shared_glu_reads_the_shared_expert_from_its_preactivations(impl, dtype):
+    """``shared=SharedGLU(...)``: the decode kernel forms ``sigmoid(logit) * silu(gate) * up``
+    from the columns itself (``pallas``, one token: one launch), XLA elsewhere (four tokens,
+    ``xla``); both against float64."""
+    for m in (1, 4):
+        args = inputs("skewed", m, 5, dtype)
+        glu, h_s = glu_inputs(m, 32, 5, dtype)
+        out = routed_experts(*args, impl=impl, shared=glu)
+        ref = routed64(*args) + h_s @ np.asarray(glu.w_s, np.float64).T
+        assert out.dtype == dtype and out.shape == (m, H)
+        assert rel_err(out, ref) < TOL[dtype], (m, rel_err(out, ref))
+    one = inputs("random", 1, 6)
+    glu, _ = glu_inputs(1, 32, 6)
+    jaxpr = jax.make_jaxpr(lambda *a: routed_experts(*a, impl="pallas", shared=glu))(*one)
+    assert _pallas_names(jaxpr.jaxpr) == ["moe_decode"]
+    kernel = moe.routed_experts_decode(*one, glu, blocks=DECODE, interpret=True)
+    pair = moe.routed_experts_decode(
+        *one, (glu.activation(), glu.w_s), blocks=DECODE, interpret=True
+    )
+    assert rel_err(kernel, np.asarray(pair, np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(gate_col=60), r"^shared: gate_col 60 \+ 32 columns do not fit act's 73"),
+        (dict(logit_col=73), r"^shared: logit_col 73 \+ 1 columns"),
+        (dict(up_col=-1), r"^shared: up_col -1"),
+        (dict(act=np.ones((2, 73))), r"^shared: act must be \[M=1, C\]"),
+        (dict(w_s=np.ones((H + 1, 32))), r"^shared: w_s must be \[H=32, I_s\]"),
+        (dict(act=np.ones((1, 73), np.int32)), "^shared: act must be floating"),
+    ],
+)
+def test_shared_glu_checks(change, match):
+    import dataclasses
+
+    glu = dataclasses.replace(glu_inputs(1, 32, 0)[0], **change)
+    with pytest.raises(ValueError, match=match):
+        routed_experts(*inputs("random", 1, 0), impl="xla", shared=glu)
+
+
 def test_pallas_route_takes_the_decode_kernel_at_one_token():
     names = lambda m: _pallas_names(
         jax.make_jaxpr(lambda *a: routed_experts(*a, impl="pallas"))(*inputs("random", m, 0)).jaxpr
