@@ -337,6 +337,12 @@ def main(argv: list[str] | None = None) -> dict:
         "take most of a run to compile)",
     )
     ap.add_argument(
+        "--no-attention-prep",
+        action="store_true",
+        help="decode's attention layers without the one-kernel step from their projection "
+        "(head norms, rope, K/V writes: serving.arena_cache.ATTENTION_DECODE_KERNEL = False)",
+    )
+    ap.add_argument(
         "--xla-remat",
         action="store_true",
         help="leave XLA's rematerialization pass on in the step programs (serving.launch."
@@ -349,6 +355,10 @@ def main(argv: list[str] | None = None) -> dict:
         from serving import launch
 
         launch.REMAT_OFF = False  # read when the engine jits its step programs
+    if args.no_attention_prep:
+        from serving import arena_cache
+
+        arena_cache.ATTENTION_DECODE_KERNEL = False  # read when the decode step traces
     if args.compile_cache:
         from serving.cli import compile_cache
 

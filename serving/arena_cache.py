@@ -62,6 +62,10 @@ from serving.kernels import XLA_KERNELS, ArenaKernels
 from serving.memory.arena import field_to_words, gather_windows, scatter_windows, words_to_field
 from serving.memory.layout import Field
 
+# decode's attention layers by attention_decode_prep where the attention kernels are selected
+# (a module switch for A/B runs: benchmarks.model_step --no-attention-prep)
+ATTENTION_DECODE_KERNEL = True
+
 
 @dataclasses.dataclass(frozen=True)
 class ArenaCache:
@@ -454,6 +458,52 @@ class ArenaCache:
             rows = field_to_words(x.astype(sp.kv_dtype), n)
             cache = cache._write(seg.reshape(n), (word + self._block(ai, kv)).reshape(n), rows)
         return cache
+
+    def attention_decode_rule(self, ai: int):
+        """With the GPU attention kernels selected (and no writes queued): attention layer
+        ``ai``'s decode step from its fused projection output by
+        :func:`pallas_kernels.attention.prep.attention_decode_prep` (head norms, rotary
+        embedding, the token's K/V written into the pages in place); else None (the model's
+        projection, then :meth:`write_kv`). A layer the kernel does not take gets None from the
+        rule (a ``ValueError`` when ``strict``)."""
+        kn, sp = self.kernels, self.spec
+        if not kn.attention or self.defer or not ATTENTION_DECODE_KERNEL:
+            return None
+
+        def rule(proj, positions, valid, **layer):
+            from pallas_kernels.attention.prep import attention_decode_prep, check_prep
+
+            table = self._kernel_table()
+            kw = dict(
+                num_heads=layer["num_heads"],
+                kv_heads=sp.kv_heads,
+                head_dim=layer["head_dim"],
+                rotary_dim=layer["rotary_dim"],
+                gated=layer["gated"],
+                kv_dtype=sp.kv_dtype,
+                page_size=sp.page_size,
+            )
+            try:
+                if layer["head_dim"] != sp.head_dim:
+                    raise ValueError(
+                        f"head_dim: {layer['head_dim']} is not the arena's {sp.head_dim}"
+                    )
+                check_prep(
+                    proj, layer["q_norm"], layer["k_norm"], positions, valid, self.buffer, table,
+                    self.page_handles, **kw,
+                )  # fmt: skip
+            except ValueError as e:
+                if kn.strict:
+                    raise ValueError(f"kernels='pallas': the attention decode kernel: {e}") from e
+                return None
+            q, buf = attention_decode_prep(
+                proj, layer["q_norm"], layer["k_norm"], positions, valid, self.buffer, table,
+                self.page_handles, theta=layer["theta"], eps=layer["eps"], layer=ai,
+                kv_offset=sp.kv_offset, interpret=kn.interpret, **kw,
+            )  # fmt: skip
+            return q, dataclasses.replace(self, buffer=buf)
+
+        return rule
 
     def committed_kv(self, ai: int, kv_len: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Attention layer ``ai``'s K and V of every row's pages: ``[B, MP * S, Hkv, D]`` (the

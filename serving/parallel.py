@@ -519,6 +519,9 @@ class ShardedArenaCache:
     def gdn_step_rule(self, gi: int):
         return self._sequence_rule(gi, None)
 
+    def attention_decode_rule(self, ai: int):
+        return None  # the per-device K/V writes of write_kv
+
     def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array):
         return self._sequence_rule(gi, num_tokens)
 

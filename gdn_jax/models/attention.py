@@ -52,6 +52,40 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k), positions, **rope)
         return q, k, v, gate
 
+    def project_decode(self, x: jax.Array, positions: jax.Array, valid: jax.Array, rule):
+        """One token a row (``x [B, 1, H]``) through a cache's
+        :meth:`~gdn_jax.models.cache_protocol.StepCache.attention_decode_rule`: ``(q [B, 1, Hq,
+        D], gate, cache)``, the token's K/V written by the rule; ``None`` where the layer has no
+        fused projection or the rule does not take it (then :meth:`project` and ``write_kv``)."""
+        if self.fused_in is None:
+            return None
+        cfg = self.cfg
+        b, d = x.shape[0], cfg.head_dim
+        proj = self.fused_in.matmul(x)[:, 0]  # [B, C]
+        out = rule(
+            proj,
+            positions[:, 0],
+            valid[:, 0],
+            q_norm=self.q_norm.weight[...],
+            k_norm=self.k_norm.weight[...],
+            num_heads=cfg.num_attention_heads,
+            head_dim=d,
+            rotary_dim=cfg.rotary_dim,
+            theta=cfg.rope_theta,
+            eps=self.q_norm.eps,
+            gated=cfg.attn_output_gate,
+        )
+        if out is None:
+            return None
+        q, cache = out
+        gate = None
+        if cfg.attn_output_gate:
+            qg = proj[:, : cfg.num_attention_heads * 2 * d].reshape(
+                b, 1, cfg.num_attention_heads, 2 * d
+            )
+            gate = qg[..., d:].reshape(b, 1, -1)
+        return q[:, None], gate, cache
+
     def finish(self, o: jax.Array, gate: jax.Array | None) -> jax.Array:
         o = o.reshape(*o.shape[:2], -1)
         if gate is not None:

@@ -106,6 +106,9 @@ class ModelCache:
     def gdn_step_rule(self, gi: int) -> SequenceRule | None:
         return None
 
+    def attention_decode_rule(self, ai: int):
+        return None
+
     def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array) -> SequenceRule | None:
         return None
 

@@ -132,6 +132,16 @@ class StepCache(Protocol):
         writing its recurrent state itself; returns None to take the default XLA path."""
         ...
 
+    def attention_decode_rule(self, ai: int):
+        """Attention layer ``ai``'s one-token (decode) step from its fused projection output to
+        its queries, writing the token's K/V itself: a callable ``rule(proj [B, C], positions
+        [B], valid [B], **layer) -> (q [B, Hq, D], cache) | None``
+        (:meth:`gdn_jax.models.attention.Attention.project_decode` gives ``layer``: the head
+        norms' weights and the rotary and head dims; ``None`` back: that layer takes the default
+        path), or None to take the default path (:meth:`write_kv` after the model's own
+        projection)."""
+        ...
+
     def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array) -> SequenceRule | None:
         """The rule of GDN layer ``gi`` for ``T > 1`` tokens per row (the first ``num_tokens
         int32 [B]`` of each row live), reading its initial recurrent state and writing the final

@@ -91,8 +91,13 @@ def _sequence(
             gi += 1
         else:
             attn = layer.self_attn
-            q, k, v, gate = attn.project(h, positions)
-            cache = cache.write_kv(ai, positions, k, v, valid)
+            rule = cache.attention_decode_rule(ai) if t == 1 else None
+            pre = None if rule is None else attn.project_decode(h, positions, valid, rule)
+            if pre is None:
+                q, k, v, gate = attn.project(h, positions)
+                cache = cache.write_kv(ai, positions, k, v, valid)
+            else:  # the rule wrote the token's K/V in place
+                q, gate, cache = pre
             o = cache.attention(ai, q, kv_len, positions, scale=attn.scale)
             mixed = attn.finish(o, gate)
             ai += 1

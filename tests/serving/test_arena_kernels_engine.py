@@ -317,6 +317,45 @@ def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
         mm.free(rid)
 
 
+def test_fused_attention_decode_prep_equals_xla(llms):
+    """With the engine's fused projections (``LLM``'s model), kernels='pallas' runs each
+    attention layer's decode step from its projection output by one kernel (q and k head norms,
+    partial rope, the token's K/V written into its page in place:
+    ``attention_decode_prep``): three greedy steps give the XLA path's logits, tokens and
+    arena, and the program scatters no K/V window (a padding row writes nothing)."""
+    llm = llms["xla"]
+    mm = llm.manager
+    model = llm.runner.model
+    assert model.layers[-1].self_attn.fused_in is not None
+    pallas = ArenaRunner(model, mm, kernels="pallas")
+    handles, pages, lens, tokens, *_ = _tree_batch(llm, seed=4)
+    base = np.asarray(mm.arena.buffer).copy()
+    live = (handles >= 0).astype(np.int32)
+    out = {}
+    for name, runner in (("xla", llm.runner), ("pallas", pallas)):
+        mm.arena.buffer = jax.device_put(base, mm.arena.buffer.device)
+        lengths, tok, got = lens.copy(), tokens[:, 0].copy(), []
+        for _ in range(3):  # row 0 crosses into its second page's later rows, row 1 too
+            logits, am, _ = runner.decode(handles, pages, lengths, tok)
+            got.append((np.asarray(logits)[:2], np.asarray(am)[:2]))
+            lengths, tok = lengths + live, np.asarray(am).astype(np.int32)
+        out[name] = got, np.asarray(mm.arena.buffer)
+    (gx, bx), (gp, bp) = out["xla"], out["pallas"]
+    for (lx, ax), (lp, ap) in zip(gx, gp, strict=True):
+        np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4 * np.abs(lx).max())
+        np.testing.assert_array_equal(ap, ax)
+    changed = bx != base
+    assert changed.any()  # the steps wrote states and K/V
+    np.testing.assert_allclose(bp.view(np.float32), bx.view(np.float32), rtol=1e-5, atol=1e-5)
+    args = (mm.arena.buffer, llm.runner.table(), handles, pages, lens, tokens[:, 0])
+    prims = _primitives(jax.make_jaxpr(pallas._decode)(pallas._state, *args).jaxpr, [])
+    la = llm.runner.spec.attn_layers
+    assert _kernel_names(prims).count("attention_decode_prep") == la
+    assert not [p for p, _ in prims if p == "scatter"]
+    for i in range(2):
+        mm.free(("kern", 4, i))
+
+
 def test_prefill_pallas_equals_xla_without_page_gathers(llms, target):
     """Chunked prefill with kernels='pallas' (each GDN layer by the in-place arena prefill
     kernel, each attention layer by the paged arena attention kernel, causal over the pages
