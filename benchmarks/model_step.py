@@ -337,10 +337,11 @@ def main(argv: list[str] | None = None) -> dict:
         "take most of a run to compile)",
     )
     ap.add_argument(
-        "--no-attention-prep",
+        "--attention-prep",
         action="store_true",
-        help="decode's attention layers without the one-kernel step from their projection "
-        "(head norms, rope, K/V writes: serving.arena_cache.ATTENTION_DECODE_KERNEL = False)",
+        help="decode's attention layers by the one kernel from their projection to their "
+        "queries (head norms, rope, K/V writes; serving.kernels.ATTENTION_DECODE_KERNEL = "
+        "True; default: off, as the engine runs)",
     )
     ap.add_argument(
         "--xla-remat",
@@ -355,10 +356,10 @@ def main(argv: list[str] | None = None) -> dict:
         from serving import launch
 
         launch.REMAT_OFF = False  # read when the engine jits its step programs
-    if args.no_attention_prep:
-        from serving import arena_cache
+    if args.attention_prep:
+        from serving import kernels
 
-        arena_cache.ATTENTION_DECODE_KERNEL = False  # read when the decode step traces
+        kernels.ATTENTION_DECODE_KERNEL = True  # read when the engine picks its kernels
     if args.compile_cache:
         from serving.cli import compile_cache
 

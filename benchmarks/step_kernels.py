@@ -207,9 +207,19 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="also the snapshot method's verify (a scratch unit per node) at each tree size",
     )
+    ap.add_argument(
+        "--attention-prep",
+        action="store_true",
+        help="decode's attention layers by pallas_kernels.attention.prep "
+        "(serving.kernels.ATTENTION_DECODE_KERNEL = True; default off, as the engine runs)",
+    )
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
+    if args.attention_prep:
+        from serving import kernels as engine_kernels
+
+        engine_kernels.ATTENTION_DECODE_KERNEL = True
     if not set(args.spec_method.split(",")) <= {"draft_model", "mtp"}:
         ap.error(f"--spec-method: draft_model and/or mtp, got {args.spec_method!r}")
     from benchmarks.compile_report import h200_sharding

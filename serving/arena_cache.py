@@ -62,10 +62,6 @@ from serving.kernels import XLA_KERNELS, ArenaKernels
 from serving.memory.arena import field_to_words, gather_windows, scatter_windows, words_to_field
 from serving.memory.layout import Field
 
-# decode's attention layers by attention_decode_prep where the attention kernels are selected
-# (a module switch for A/B runs: benchmarks.model_step --no-attention-prep)
-ATTENTION_DECODE_KERNEL = True
-
 
 @dataclasses.dataclass(frozen=True)
 class ArenaCache:
@@ -460,14 +456,15 @@ class ArenaCache:
         return cache
 
     def attention_decode_rule(self, ai: int):
-        """With the GPU attention kernels selected (and no writes queued): attention layer
+        """With ``kernels.attention_decode`` (:data:`serving.kernels.ATTENTION_DECODE_KERNEL`)
+        and no writes queued: attention layer
         ``ai``'s decode step from its fused projection output by
         :func:`pallas_kernels.attention.prep.attention_decode_prep` (head norms, rotary
         embedding, the token's K/V written into the pages in place); else None (the model's
         projection, then :meth:`write_kv`). A layer the kernel does not take gets None from the
         rule (a ``ValueError`` when ``strict``)."""
         kn, sp = self.kernels, self.spec
-        if not kn.attention or self.defer or not ATTENTION_DECODE_KERNEL:
+        if not kn.attention_decode or self.defer:
             return None
 
         def rule(proj, positions, valid, **layer):

@@ -33,6 +33,11 @@ import jax.numpy as jnp
 from serving.arena_spec import ArenaSpec
 
 KERNEL_CHOICES = ("xla", "pallas", "auto", "pallas_tpu")
+# decode's attention layers by pallas_kernels.attention.prep where the GPU attention kernels are
+# selected: off until the kernel is timed on a GPU (tested in interpret mode and compiled for
+# the H200 deviceless: 10 fewer kernels per attention layer at batch 1); read by
+# select_kernels (benchmarks.model_step --attention-prep turns it on for a run)
+ATTENTION_DECODE_KERNEL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,10 @@ class ArenaKernels:
       :func:`pallas_kernels.tpu.tree_attention_arena`, for trees of at most ``max_nodes``
       nodes within the VMEM cap (:func:`pallas_kernels.tpu.tree_attention_vmem`; a larger
       tree raises a ``ValueError``);
+    - ``attention_decode``: with ``attention``, decode's attention layers from their fused
+      projection output to their queries by :mod:`pallas_kernels.attention.prep` (head norms,
+      rotary embedding, the token's K/V written into its page in place) instead of XLA's
+      kernels and windowed K/V writes (:data:`ATTENTION_DECODE_KERNEL`);
     - ``interpret``: run them in Pallas interpret mode (the GPU kernels off a GPU, the TPU
       kernels in TPU interpret mode off a TPU);
     - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
@@ -75,6 +84,7 @@ class ArenaKernels:
     strict: bool = False
     tpu: bool = False
     tpu_attention: bool = False
+    attention_decode: bool = False
 
     @property
     def name(self) -> str:
@@ -250,6 +260,7 @@ def select_kernels(
     choice = ArenaKernels(
         gdn=spec.gdn_layers > 0 and not gdn_bad,
         attention=spec.attn_layers > 0 and not attn_bad,
+        attention_decode=ATTENTION_DECODE_KERNEL and spec.attn_layers > 0 and not attn_bad,
         # The decode kernel under "auto" too: on the H200 a 30-layer Qwen3.5-35B decode step
         # takes 0.35-0.62x the time of XLA's state windows (benchmarks/arena_read.py, B 1-64).
         decode=spec.gdn_layers > 0 and not gdn_bad,

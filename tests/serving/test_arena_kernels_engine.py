@@ -317,13 +317,25 @@ def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
         mm.free(rid)
 
 
-def test_fused_attention_decode_prep_equals_xla(llms):
-    """With the engine's fused projections (``LLM``'s model), kernels='pallas' runs each
-    attention layer's decode step from its projection output by one kernel (q and k head norms,
-    partial rope, the token's K/V written into its page in place:
-    ``attention_decode_prep``): three greedy steps give the XLA path's logits, tokens and
-    arena, and the program scatters no K/V window (a padding row writes nothing)."""
+def test_fused_attention_decode_prep_equals_xla(llms, monkeypatch):
+    """With the engine's fused projections (``LLM``'s model) and
+    ``serving.kernels.ATTENTION_DECODE_KERNEL`` on, kernels='pallas' runs each attention layer's decode step
+    from its projection output by one kernel (q and k head norms, partial rope, the token's K/V
+    written into its page in place: ``attention_decode_prep``): three greedy steps give the XLA
+    path's logits, tokens and arena, and the program scatters no K/V window (a padding row
+    writes nothing). Off (the default), the same runner's program has no such kernel."""
+    from serving import kernels
+
     llm = llms["xla"]
+    off = ArenaRunner(llm.runner.model, llm.manager, kernels="pallas")
+    off_args = (llm.manager.arena.buffer, llm.runner.table(), *_tree_batch(llm, seed=5)[:3])
+    off_prims = _primitives(
+        jax.make_jaxpr(off._decode)(off._state, *off_args, off_args[-1]).jaxpr, []
+    )
+    assert "attention_decode_prep" not in _kernel_names(off_prims)
+    for i in range(2):
+        llm.manager.free(("kern", 5, i))
+    monkeypatch.setattr(kernels, "ATTENTION_DECODE_KERNEL", True)
     mm = llm.manager
     model = llm.runner.model
     assert model.layers[-1].self_attn.fused_in is not None
