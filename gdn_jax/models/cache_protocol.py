@@ -10,14 +10,17 @@ Shapes (``B`` rows): GDN layer ``gi`` (``0 <= gi < Lg``, in layer order) has the
 ``ssm [B, Hv, K, V]`` (f32); attention layer ``ai`` (``0 <= ai < La``) takes K/V
 ``[B, T, Hkv, D]`` at token positions ``[B, T]`` and queries ``q [B, T, Hq, D]``.
 
-The four hooks (:meth:`StepCache.gdn_step_rule`, :meth:`StepCache.gdn_prefill_rule`,
+The four GDN hooks (:meth:`StepCache.gdn_step_rule`, :meth:`StepCache.gdn_prefill_rule`,
 :meth:`StepCache.gdn_tree_rule`, :meth:`StepCache.commit_gdn_state`) let a storage read and
 write GDN layer ``gi``'s recurrent state itself (e.g. a kernel working on it in place). Each
 returns ``None`` to take the default XLA path: the step function reads the state with
 :meth:`StepCache.gdn_state`, runs the model's own rule on it and writes it back with
 :meth:`StepCache.with_gdn_state`. When a hook answers, the step function reads and writes only
 that layer's conv state (:meth:`StepCache.gdn_conv_state`,
-:meth:`StepCache.with_gdn_conv_state`).
+:meth:`StepCache.with_gdn_conv_state`). The attention hook
+(:meth:`StepCache.attention_decode_rule`) lets it run an attention layer's decode step from the
+fused projection output to the queries and write the token's K/V itself (else
+:meth:`StepCache.write_kv` after the model's own projection).
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ def test_protocol_names_every_member_the_steps_use():
         "gdn_prefill_rule",
         "gdn_tree_rule",
         "commit_gdn_state",
+        "attention_decode_rule",
     }
     assert set(MEMBERS) - set(METHODS) == {"lengths"}
     # every attribute the step functions read off a cache is a protocol member
