@@ -242,6 +242,26 @@ def test_kernel_option_validation(target, llms):
         )
 
 
+def _decode_both(xla, pallas, mm, base, handles, pages, lens, tokens, rows):
+    """Three greedy decode steps by each runner from the arena ``base``: the first ``rows``
+    rows' logits and tokens must agree; returns both final arenas ``(xla, pallas)``."""
+    live = (handles >= 0).astype(np.int32)
+    out = {}
+    for name, runner in (("xla", xla), ("pallas", pallas)):
+        mm.arena.buffer = jax.device_put(base, mm.arena.buffer.device)
+        lengths, tok, got = lens.copy(), tokens[:, 0].copy(), []
+        for _ in range(3):
+            logits, am, _ = runner.decode(handles, pages, lengths, tok)
+            got.append((np.asarray(logits)[:rows], np.asarray(am)[:rows]))
+            lengths, tok = lengths + live, np.asarray(am).astype(np.int32)
+        out[name] = got, np.asarray(mm.arena.buffer)
+    (gx, bx), (gp, bp) = out["xla"], out["pallas"]
+    for (lx, ax), (lp, ap) in zip(gx, gp, strict=True):
+        np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4 * np.abs(lx).max())
+        np.testing.assert_array_equal(ap, ax)
+    return bx, bp
+
+
 def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
     """Greedy decode steps with kernels='pallas' (the GDN layers by the in-place arena decode
     kernel, the attention layers by the paged arena attention kernel) give the XLA path's
@@ -262,20 +282,7 @@ def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
     for _, kind, rid, seg, word, words in mm.live():
         if rid == ("kern", 2, 2) and kind == "state":  # stale bits, NaN patterns included
             base[seg, word : word + words] = np.random.default_rng(0).integers(0, 2**32, words)
-    live = (handles >= 0).astype(np.int32)
-    out = {}
-    for name, runner in (("xla", llm.runner), ("pallas", pallas)):
-        mm.arena.buffer = jax.device_put(base, mm.arena.buffer.device)
-        lengths, tok, got = lens.copy(), tokens[:, 0].copy(), []
-        for _ in range(3):
-            logits, am, _ = runner.decode(handles, pages, lengths, tok)
-            got.append((np.asarray(logits)[:3], np.asarray(am)[:3]))
-            lengths, tok = lengths + live, np.asarray(am).astype(np.int32)
-        out[name] = got, np.asarray(mm.arena.buffer)
-    (gx, bx), (gp, bp) = out["xla"], out["pallas"]
-    for (lx, ax), (lp, ap) in zip(gx, gp, strict=True):
-        np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4 * np.abs(lx).max())
-        np.testing.assert_array_equal(ap, ax)
+    bx, bp = _decode_both(llm.runner, pallas, mm, base, handles, pages, lens, tokens, rows=3)
     rows = [("kern", 2, 0), ("kern", 2, 1), ("kern", 2, 2)]
     other = np.ones(base.shape, bool)
     for _, kind, rid, seg, word, words in mm.live():
@@ -342,20 +349,7 @@ def test_fused_attention_decode_prep_equals_xla(llms, monkeypatch):
     pallas = ArenaRunner(model, mm, kernels="pallas")
     handles, pages, lens, tokens, *_ = _tree_batch(llm, seed=4)
     base = np.asarray(mm.arena.buffer).copy()
-    live = (handles >= 0).astype(np.int32)
-    out = {}
-    for name, runner in (("xla", llm.runner), ("pallas", pallas)):
-        mm.arena.buffer = jax.device_put(base, mm.arena.buffer.device)
-        lengths, tok, got = lens.copy(), tokens[:, 0].copy(), []
-        for _ in range(3):  # row 0 crosses into its second page's later rows, row 1 too
-            logits, am, _ = runner.decode(handles, pages, lengths, tok)
-            got.append((np.asarray(logits)[:2], np.asarray(am)[:2]))
-            lengths, tok = lengths + live, np.asarray(am).astype(np.int32)
-        out[name] = got, np.asarray(mm.arena.buffer)
-    (gx, bx), (gp, bp) = out["xla"], out["pallas"]
-    for (lx, ax), (lp, ap) in zip(gx, gp, strict=True):
-        np.testing.assert_allclose(lp, lx, rtol=1e-4, atol=1e-4 * np.abs(lx).max())
-        np.testing.assert_array_equal(ap, ax)
+    bx, bp = _decode_both(llm.runner, pallas, mm, base, handles, pages, lens, tokens, rows=2)
     changed = bx != base
     assert changed.any()  # the steps wrote states and K/V
     np.testing.assert_allclose(bp.view(np.float32), bx.view(np.float32), rtol=1e-5, atol=1e-5)
