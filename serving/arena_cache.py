@@ -457,12 +457,11 @@ class ArenaCache:
 
     def attention_decode_rule(self, ai: int):
         """With ``kernels.attention_decode`` (:data:`serving.kernels.ATTENTION_DECODE_KERNEL`)
-        and no writes queued: attention layer
-        ``ai``'s decode step from its fused projection output by
-        :func:`pallas_kernels.attention.prep.attention_decode_prep` (head norms, rotary
-        embedding, the token's K/V written into the pages in place); else None (the model's
-        projection, then :meth:`write_kv`). A layer the kernel does not take gets None from the
-        rule (a ``ValueError`` when ``strict``)."""
+        and no writes queued: attention layer ``ai``'s decode step from its fused projection
+        output by :func:`pallas_kernels.attention.prep.attention_decode_prep` (head norms,
+        rotary embedding, the token's K/V written into the pages in place); else None (the
+        model's projection, then :meth:`write_kv`). A layer the kernel does not take gets None
+        from the rule (a ``ValueError`` when ``strict``)."""
         kn, sp = self.kernels, self.spec
         if not kn.attention_decode or self.defer:
             return None
