@@ -403,7 +403,9 @@ def main(argv: list[str] | None = None) -> dict:
     flops = measure_matmul(5, n=8192 if not args.smoke else 256)
     log(f"measured: {bw / 1e12:.2f} TB/s copy, {flops / 1e12:.0f} TFLOP/s bf16 matmul")
 
-    max_rows = max(args.batch + [args.verify_batch])
+    # the verify rows are prefilled only where a verify step is timed
+    verify_batch = [args.verify_batch] if args.tree_sizes else []
+    max_rows = max(args.batch + verify_batch)
     max_len = args.context + max(args.tree_sizes, default=0) + 8
     if args.prefill_prompts > 0:
         max_len = max(max_len, args.prefill_len + 8)
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     if budget is None and "bytes_limit" in stats:
         budget = int(stats["bytes_limit"] - stats["bytes_in_use"] - AUTO_HEADROOM)
     # the prefill prompts get a bucket of their own, so their prefill rows are all live
-    buckets = sorted(set(args.batch + [args.verify_batch, 1, max(args.prefill_prompts, 1)]))
+    buckets = sorted(set(args.batch + verify_batch + [1, max(args.prefill_prompts, 1)]))
     buckets = [b for b in buckets if b <= max_rows]
     llm = LLM(
         model,
@@ -470,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     decode_ms = {}
     verify_rows = None
-    for b in sorted(set(args.batch + [args.verify_batch])):
+    for b in sorted(set(args.batch + verify_batch)):
         t = time.perf_counter()
         handles, pages, lengths, release = decode_rows(llm, b, args.context, rng)
         log(f"B {b}: prefilled and compiled in {time.perf_counter() - t:.1f} s")
@@ -480,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
         held, _ = median_ms(call, args.reps, block, release=False)
         piped = pipelined_ms(runner, handles, pages, lengths, last, args.reps, block)
         decode_ms[b] = ms
-        if b == args.verify_batch:
+        if b in verify_batch:
             verify_rows = (handles, pages, lengths)
             release_verify = release
         if b in args.batch:
@@ -490,11 +492,11 @@ def main(argv: list[str] | None = None) -> dict:
             if not row["finite"]:
                 log(f"B {b}: the decode step's logits are not all finite")
             add(dict(row, held_ms=held, pipelined_ms=piped, **fl), call)
-        if b != args.verify_batch:
+        if b not in verify_batch:
             release()
-    handles, pages, lengths = verify_rows
     vb = args.verify_batch
     for n in args.tree_sizes:
+        handles, pages, lengths = verify_rows
         tokens = rng.integers(1, mc.vocab_size, (vb, n)).astype(np.int32)
         parents = np.stack([random_parents(rng, n) for _ in range(vb)])
         t = time.perf_counter()
@@ -515,7 +517,8 @@ def main(argv: list[str] | None = None) -> dict:
             ),
             call,
         )
-    release_verify()
+    if verify_batch:
+        release_verify()
     if args.prefill_prompts < 1:  # no prefill row
         return _report(args, doc, rows, name, mc, runner, bw, flops)
     prompts = [
