@@ -337,11 +337,18 @@ def main(argv: list[str] | None = None) -> dict:
         "take most of a run to compile)",
     )
     ap.add_argument(
-        "--attention-prep",
+        "--no-attention-prep",
         action="store_true",
-        help="decode's attention layers by the one kernel from their projection to their "
-        "queries (head norms, rope, K/V writes; serving.kernels.ATTENTION_DECODE_KERNEL = "
-        "True; default: off, as the engine runs)",
+        help="decode's attention layers by XLA's kernels instead of the one kernel from their "
+        "projection to their queries (serving.kernels.ATTENTION_DECODE_KERNEL = False; "
+        "default: the kernel, as the engine runs)",
+    )
+    ap.add_argument(
+        "--no-step-norm",
+        action="store_true",
+        help="decode's GDN layers with their gated RMSNorm as an XLA kernel after the step "
+        "kernel (serving.kernels.DECODE_GATED_NORM = False; default: inside it, as the engine "
+        "runs)",
     )
     ap.add_argument(
         "--xla-remat",
@@ -356,10 +363,14 @@ def main(argv: list[str] | None = None) -> dict:
         from serving import launch
 
         launch.REMAT_OFF = False  # read when the engine jits its step programs
-    if args.attention_prep:
+    if args.no_attention_prep:
         from serving import kernels
 
-        kernels.ATTENTION_DECODE_KERNEL = True  # read when the engine picks its kernels
+        kernels.ATTENTION_DECODE_KERNEL = False  # read when the engine picks its kernels
+    if args.no_step_norm:
+        from serving import kernels
+
+        kernels.DECODE_GATED_NORM = False  # read when the engine picks its kernels
     if args.compile_cache:
         from serving.cli import compile_cache
 

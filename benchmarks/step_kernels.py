@@ -208,18 +208,30 @@ def main(argv: list[str] | None = None) -> dict:
         help="also the snapshot method's verify (a scratch unit per node) at each tree size",
     )
     ap.add_argument(
-        "--attention-prep",
+        "--no-attention-prep",
         action="store_true",
-        help="decode's attention layers by pallas_kernels.attention.prep "
-        "(serving.kernels.ATTENTION_DECODE_KERNEL = True; default off, as the engine runs)",
+        help="decode's attention layers by XLA's kernels instead of the one kernel from their "
+        "projection to their queries (serving.kernels.ATTENTION_DECODE_KERNEL = False; "
+        "default: the kernel, as the engine runs)",
+    )
+    ap.add_argument(
+        "--no-step-norm",
+        action="store_true",
+        help="decode's GDN layers with their gated RMSNorm as an XLA kernel after the step "
+        "kernel (serving.kernels.DECODE_GATED_NORM = False; default: inside it, as the engine "
+        "runs)",
     )
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
-    if args.attention_prep:
+    if args.no_attention_prep:
         from serving import kernels as engine_kernels
 
-        engine_kernels.ATTENTION_DECODE_KERNEL = True
+        engine_kernels.ATTENTION_DECODE_KERNEL = False
+    if args.no_step_norm:
+        from serving import kernels as engine_kernels
+
+        engine_kernels.DECODE_GATED_NORM = False
     if not set(args.spec_method.split(",")) <= {"draft_model", "mtp"}:
         ap.error(f"--spec-method: draft_model and/or mtp, got {args.spec_method!r}")
     from benchmarks.compile_report import h200_sharding

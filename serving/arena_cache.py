@@ -282,7 +282,10 @@ class ArenaCache:
         (:func:`pallas_kernels.decode.arena.recurrent_step_mixed`), and its ``conv`` form (a
         bf16 or f32 conv state in the model's dtype) also runs the conv on the conv window in
         place first (:func:`pallas_kernels.decode.conv.conv_step`): the model takes the
-        latter (:meth:`gdn_jax.models.gdn.GatedDeltaNet.__call__`).
+        latter (:meth:`gdn_jax.models.gdn.GatedDeltaNet.__call__`). Where ``conv_norm`` is set
+        (``kernels.decode_norm``), the conv form also takes the layer's gated RMSNorm
+        (``norm=(weight, eps, z, z_col)``) and returns its output, the norm applied by the
+        step kernel.
 
         As the XLA path: rows at length 0 start from a zero state and are written; padding rows
         (handle ``-1``) run from a zero state and are not written."""
@@ -299,8 +302,9 @@ class ArenaCache:
         rule = self._plain_step_rule(gi, recurrent_step)
 
         def step_mixed(
-            cache, mixed, a, b, a_log, dt_bias, *, num_tokens, use_qk_l2norm, a_col=0, b_col=0
-        ):
+            cache, mixed, a, b, a_log, dt_bias, *, num_tokens, use_qk_l2norm, a_col=0, b_col=0,
+            norm=None,
+        ):  # fmt: skip
             # the step on the layer's raw inputs in ``cache``'s arena: the kernel splits the
             # conv's channels and forms the gates itself (two XLA kernels fewer per layer)
             hv, dk, dv = self.spec.state_shape
@@ -318,6 +322,7 @@ class ArenaCache:
                 live=None if num_tokens is None else num_tokens > 0,
                 a_col=a_col,
                 b_col=b_col,
+                **({} if norm is None else norm_args(norm)),
             )
             return o[:, None], dataclasses.replace(cache, buffer=buf)
 
@@ -333,9 +338,14 @@ class ArenaCache:
                 use_qk_l2norm=use_qk_l2norm,
             )
 
+        def norm_args(norm):
+            weight, eps, z, z_col = norm
+            return dict(norm_weight=weight, z=z[:, 0], z_col=z_col, norm_eps=eps)
+
         def conv(
-            qkv, weight, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool, cols=None
-        ):
+            qkv, weight, a, b, a_log, dt_bias, *, num_tokens=None, use_qk_l2norm: bool, cols=None,
+            norm=None,
+        ):  # fmt: skip
             # the conv too: its window read, updated and written in place by one kernel;
             # ``cols = (qkv, a, b)``: the columns where each starts in its (fused) array
             qkv_col, a_col, b_col = cols or (0, 0, 0)
@@ -356,7 +366,7 @@ class ArenaCache:
             after = dataclasses.replace(self, buffer=buf)
             return step_mixed(
                 after, y[:, None], a, b, a_log, dt_bias, num_tokens=num_tokens,
-                use_qk_l2norm=use_qk_l2norm, a_col=a_col, b_col=b_col,
+                use_qk_l2norm=use_qk_l2norm, a_col=a_col, b_col=b_col, norm=norm,
             )  # fmt: skip
 
         rule.raw = raw
@@ -366,6 +376,9 @@ class ArenaCache:
             jnp.dtype(jnp.float32),
         ):
             rule.conv = conv
+            # conv(..., norm=(weight [V], eps, z [B, 1, >= z_col + Hv V], z_col)) returns the
+            # gated norm's output (the norm inside the step kernel)
+            rule.conv_norm = kn.decode_norm
         return rule
 
     def gdn_prefill_rule(self, gi: int, num_tokens: jax.Array) -> SequenceRule | None:

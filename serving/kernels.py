@@ -34,10 +34,14 @@ from serving.arena_spec import ArenaSpec
 
 KERNEL_CHOICES = ("xla", "pallas", "auto", "pallas_tpu")
 # decode's attention layers by pallas_kernels.attention.prep where the GPU attention kernels are
-# selected: off until the kernel is timed on a GPU (tested in interpret mode and compiled for
-# the H200 deviceless: 10 fewer kernels per attention layer at batch 1); read by
-# select_kernels (benchmarks.model_step --attention-prep turns it on for a run)
-ATTENTION_DECODE_KERNEL = False
+# selected (on the H200 the 40-layer 35B decode step at batch 1 runs 0.93x the time with it:
+# benchmarks/README.md, model_step); read by select_kernels (benchmarks.model_step
+# --no-attention-prep turns it off for a run)
+ATTENTION_DECODE_KERNEL = True
+# decode's GDN layers apply their gated RMSNorm inside the recurrent step kernel (a program per
+# whole value head) instead of an XLA kernel after it; read by select_kernels
+# (benchmarks.model_step --no-step-norm turns it off for a run)
+DECODE_GATED_NORM = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,8 @@ class ArenaKernels:
       projection output to their queries by :mod:`pallas_kernels.attention.prep` (head norms,
       rotary embedding, the token's K/V written into its page in place) instead of XLA's
       kernels and windowed K/V writes (:data:`ATTENTION_DECODE_KERNEL`);
+    - ``decode_norm``: with ``decode``, the GDN layers' gated RMSNorm inside the decode step
+      kernel (:data:`DECODE_GATED_NORM`);
     - ``interpret``: run them in Pallas interpret mode (the GPU kernels off a GPU, the TPU
       kernels in TPU interpret mode off a TPU);
     - ``max_nodes``: the largest draft tree they take; a larger one runs on XLA, or raises a
@@ -85,6 +91,7 @@ class ArenaKernels:
     tpu: bool = False
     tpu_attention: bool = False
     attention_decode: bool = False
+    decode_norm: bool = False
 
     @property
     def name(self) -> str:
@@ -264,6 +271,7 @@ def select_kernels(
         # The decode kernel under "auto" too: on the H200 a 30-layer Qwen3.5-35B decode step
         # takes 0.35-0.62x the time of XLA's state windows (benchmarks/arena_read.py, B 1-64).
         decode=spec.gdn_layers > 0 and not gdn_bad,
+        decode_norm=DECODE_GATED_NORM and spec.gdn_layers > 0 and not gdn_bad,
         # The prefill kernel (a sequential scan over each chunk's tokens) only when asked for:
         # on the H200 it takes 1.38-1.97x the time of the state windows + the chunked Pallas
         # prefill at the default 64-token chunk, 0.82-0.87x at 16 (benchmarks/arena_read.py

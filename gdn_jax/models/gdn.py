@@ -132,7 +132,9 @@ class GatedDeltaNet(nnx.Module):
         conv_weight, a, b, A_log, dt_bias, *, num_tokens, use_qk_l2norm, cols)`` on the
         pre-conv channels; a fused layer passes its whole projection output as ``qkv``, ``a``
         and ``b``, with ``cols`` the columns where each starts): ``conv_state`` is then unused
-        and the second output is ``None``.
+        and the second output is ``None``. A rule whose ``conv_norm`` is true also takes the
+        gated norm at one token (``norm=(weight, eps, z [B, 1, >= z_col + Hv V], z_col)``)
+        and returns the normed output.
         """
         if self.takes_conv(rule):  # the rule runs the conv too
             if self.fused_in is not None:
@@ -145,9 +147,14 @@ class GatedDeltaNet(nnx.Module):
                     *x.shape[:2], self.cfg.linear_num_value_heads, -1
                 )
                 cols = (qkv_col, a_col, b_col)
+                z_in = (proj, z_col)
             else:
                 qkv, z, _, _, a, b_ = self.project(x, raw=True)
                 cols = None
+                z_in = (z.reshape(*z.shape[:2], -1), 0)
+            # a rule with ``conv_norm`` applies the gated norm in its kernel too
+            normed = getattr(rule, "conv_norm", False) and x.shape[1] == 1
+            norm = (self.norm.weight[...], self.norm.eps, *z_in) if normed else None
             o, result = rule.conv(
                 qkv,
                 self.conv_weight[...],
@@ -158,7 +165,10 @@ class GatedDeltaNet(nnx.Module):
                 num_tokens=num_tokens,
                 use_qk_l2norm=True,
                 cols=cols,
+                **({} if norm is None else dict(norm=norm)),
             )
+            if normed:
+                return self.out_proj(o.reshape(*o.shape[:2], -1)), None, result
             return self.finish(o, z), None, result
         qkv, z, g, beta, a, b_ = self.project(x, raw=True)
         b, t = x.shape[:2]

@@ -192,8 +192,12 @@ def recurrent_step_mixed(
     live=None,
     a_col: int = 0,
     b_col: int = 0,
+    norm_weight=None,
+    z=None,
+    z_col: int = 0,
+    norm_eps: float = 1e-6,
     block_v: int = 64,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     interpret: bool = False,
 ):
     """:func:`recurrent_step` on the layer's raw inputs: the conv's output channels
@@ -205,6 +209,14 @@ def recurrent_step_mixed(
     model's ``num_tokens`` masking), their output the unchanged state's readout. ``a`` and
     ``b`` may be wider arrays (any float dtype, read as f32) whose ``Hv`` columns start at
     ``a_col`` and ``b_col``: both can be a fused input projection's output, read in place.
+
+    ``norm_weight [V]`` (optional) with ``z [B, >= z_col + Hv V]``: each program also applies
+    the layer's gated RMSNorm to its head's output, ``o = (w * rmsnorm(o)) * silu(z_h)`` with
+    ``z_h`` the ``V`` columns of ``z`` from ``z_col + h V`` (the roundings of
+    :class:`gdn_jax.models.norm.GatedRMSNorm`: ``o`` and the normed ``o`` rounded to ``o``'s
+    dtype, the weight's product rounded to it, the gate's product in f32), so no kernel runs
+    between this one and the output projection. A program then holds a whole value head
+    (``block_v`` is taken as ``V``, a power of two; ``num_warps`` 8 unless given, else 4).
 
     Returns ``(o [B, Hv, V] in mixed's dtype, arena)``."""
     if mixed.ndim != 2:
@@ -232,14 +244,21 @@ def recurrent_step_mixed(
     check_arena(arena, table, handles, bsz, state_offset, hv, dk, dv)
     zero_state = row_flags("zero_state", zero_state, bsz)
     live = row_flags("live", live, bsz, default=1)
+    normed = norm_weight is not None
+    if normed:
+        check_gated_norm(norm_weight, z, z_col, bsz, hv, dv)
+        block_v = dv
+    elif z is not None:
+        raise ValueError("z: the gate of the norm, given only with norm_weight")
     bv = min(block_v, dv)
+    num_warps = num_warps or (8 if normed else 4)
     grp = hv // hk
     v0 = 2 * hk * dk // bv  # v's first block of bv channels
     scale = dk**-0.5 if scale is None else float(scale)
 
     def kernel(
         q_ref, k_ref, v_ref, a_ref, b_ref, al_ref, dt_ref, lv_ref, zs_ref, hd_ref, tab_ref, ar_ref,
-        o_ref, out_ref,
+        nw_ref, z_ref, o_ref, out_ref,
     ):  # fmt: skip
         i, h = pl.program_id(0), pl.program_id(1)
         ok, seg, idx = tile_address(hd_ref, tab_ref, offset=state_offset, dk=dk, dv=dv, bv=bv)
@@ -251,7 +270,11 @@ def recurrent_step_mixed(
         qv = prep_rows(q_ref[...], use_qk_l2norm, scale)  # [K]
         kv = prep_rows(k_ref[...], use_qk_l2norm)
         s = delta_update(s, kv, v_ref[...], g, beta)
-        o_ref[...] = readout(s, qv).astype(o_ref.dtype)
+        o = readout(s, qv)
+        if normed:
+            zh = z_ref[i, pl.ds(z_col + h * dv, dv)]
+            o = gated_norm(o, nw_ref[...], zh, norm_eps, o_ref.dtype)
+        o_ref[...] = o.astype(o_ref.dtype)
         store_state(out_ref, (ok, seg, idx), s)
 
     vec_q = pl.BlockSpec((None, dk), lambda i, h, j: (i, h // grp))
@@ -261,7 +284,7 @@ def recurrent_step_mixed(
     o, arena = pl.pallas_call(
         kernel,
         grid=(bsz, hv, dv // bv),
-        in_specs=[vec_q, vec_k, vec_v, *[whole()] * 9],
+        in_specs=[vec_q, vec_k, vec_v, *[whole()] * 11],
         out_specs=(out_v, whole()),
         out_shape=(
             jax.ShapeDtypeStruct((bsz, hv, dv), mixed.dtype),
@@ -283,8 +306,39 @@ def recurrent_step_mixed(
         zero_state,
         *_addressing(handles, table),
         arena,
+        # unused placeholders without the norm (a one-element array each)
+        norm_weight if normed else live,
+        z if normed else live,
     )
     return o, arena
+
+
+def check_gated_norm(weight, z, z_col: int, bsz: int, hv: int, dv: int) -> None:
+    """``ValueError`` for a gated norm's ``weight [V]`` and gate ``z [B, >= z_col + Hv V]``
+    that :func:`recurrent_step_mixed` cannot take."""
+    if weight.shape != (dv,):
+        raise ValueError(f"norm_weight: expected shape [V] = ({dv},), got {weight.shape}")
+    if z is None or z.ndim != 2 or z.shape[0] != bsz or z_col < 0 or z_col + hv * dv > z.shape[1]:
+        shape = None if z is None else z.shape
+        raise ValueError(
+            f"z: expected [B={bsz}, >= z_col + Hv * V = {z_col} + {hv * dv}], got shape {shape}"
+        )
+    if dv & (dv - 1):
+        raise ValueError(
+            f"norm_weight: the norm takes a whole value head; V={dv} is not a power of two"
+        )
+
+
+def gated_norm(o, w, z, eps: float, dtype):
+    """One value head's gated RMSNorm in-kernel, rounded as
+    :class:`gdn_jax.models.norm.GatedRMSNorm`: ``o [V]`` f32 (rounded to ``dtype`` first),
+    ``w [V]`` and ``z [V]`` in any float dtype; returns f32 (rounded to ``dtype`` by the
+    caller)."""
+    o = o.astype(dtype).astype(F32)
+    xn = (o * jax.lax.rsqrt(jnp.mean(o * o) + eps)).astype(dtype).astype(F32)
+    y = (w.astype(F32) * xn).astype(dtype).astype(F32)
+    zf = z.astype(F32)
+    return y * (zf / (1.0 + jnp.exp(-zf)))
 
 
 def recurrent_prefill(

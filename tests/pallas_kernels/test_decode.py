@@ -331,6 +331,60 @@ def test_step_mixed_reads_columns_in_place():
         call(mixed, wide, wide, a_log, dt_bias, *_addr(arena, STEP_HANDLES), a_col=6 + hv)
 
 
+def _gated_norm64(o, w, z, eps):
+    """The gated RMSNorm of one value head per row, float64: ``w * rmsnorm(o) * silu(z)``."""
+    o, w, z = (np.asarray(x, np.float64) for x in (o, w, z))
+    y = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps) * w
+    return y * z / (1.0 + np.exp(-z))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_step_mixed_gated_norm(dtype):
+    """With ``norm_weight`` and ``z`` (read at ``z_col`` of a wider array), the kernel's output
+    is the layer's gated RMSNorm of the plain kernel's output: against float64 and against
+    :class:`gdn_jax.models.norm.GatedRMSNorm` on that output (its roundings: equal up to an
+    ulp of the gate's SiLU); the states and every arena word equal the plain call's."""
+    from gdn_jax.models.norm import GatedRMSNorm
+
+    rng = np.random.default_rng(43)
+    hk, hv, eps = 2, 4, 1e-6
+    handles = np.array([2, -1, 0, 4], np.int32)
+    fresh, live = np.array([False, False, True, False]), np.array([True, True, True, False])
+    b = len(handles)
+    raw, _ = _mixed_inputs(rng, b, hk, hv, dtype)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, V), dtype)
+    z = jnp.asarray(rng.standard_normal((b, hv * V)) * 2.0, dtype)
+    wide = jnp.concatenate([jnp.ones((b, 5), dtype), z, jnp.ones((b, 3), dtype)], 1)
+    arena = _arena(rng, rng.standard_normal((b, hv, K, V)).astype(np.float32), handles, fresh)
+    call = functools.partial(
+        recurrent_step_mixed, *raw, *_addr(arena, handles), num_k_heads=hk, head_k_dim=K,
+        use_qk_l2norm=True, zero_state=jnp.asarray(fresh), live=jnp.asarray(live), **_KERNEL,
+    )  # fmt: skip
+    o, new = call()
+    y, new_n = call(norm_weight=w, z=wide, z_col=5, norm_eps=eps)
+    chex.assert_shape(y, (b, hv, V))
+    chex.assert_type(y, dtype)
+    np.testing.assert_array_equal(np.asarray(new_n), np.asarray(new))
+    zh = z.reshape(b, hv, V)
+    y64 = _gated_norm64(np.asarray(o, np.float32), np.asarray(w, np.float32), zh, eps)
+    tol = 2e-6 if dtype == np.float32 else 1e-2
+    assert rel_err(np.asarray(y, np.float32), y64) < tol
+    norm = GatedRMSNorm(V, eps=eps, dtype=dtype)
+    norm.weight[...] = w
+    want = np.asarray(norm(o, zh), np.float32)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=tol, atol=tol)
+    if dtype == jnp.bfloat16:  # the same roundings: almost every element equal
+        assert np.mean(np.asarray(y, np.float32) == want) > 0.9
+    for name, kw in [
+        ("norm_weight", dict(norm_weight=w[:-1], z=wide)),
+        ("z", dict(norm_weight=w, z=wide, z_col=9)),
+        ("z", dict(norm_weight=w, z=wide[:2])),
+        ("z", dict(z=wide)),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name}"):
+            call(**kw)
+
+
 @pytest.mark.parametrize(
     "name, change",
     [

@@ -326,14 +326,17 @@ def test_decode_pallas_equals_xla_without_state_gathers(llms, target):
 
 def test_fused_attention_decode_prep_equals_xla(llms, monkeypatch):
     """With the engine's fused projections (``LLM``'s model) and
-    ``serving.kernels.ATTENTION_DECODE_KERNEL`` on, kernels='pallas' runs each attention layer's decode step
-    from its projection output by one kernel (q and k head norms, partial rope, the token's K/V
-    written into its page in place: ``attention_decode_prep``): three greedy steps give the XLA
-    path's logits, tokens and arena, and the program scatters no K/V window (a padding row
-    writes nothing). Off (the default), the same runner's program has no such kernel."""
+    ``serving.kernels.ATTENTION_DECODE_KERNEL`` on (the default), kernels='pallas' runs each
+    attention layer's decode step from its projection output by one kernel (q and k head norms,
+    partial rope, the token's K/V written into its page in place: ``attention_decode_prep``):
+    three greedy steps give the XLA path's logits, tokens and arena, and the program scatters no
+    K/V window (a padding row writes nothing). Off, the same runner's program has no such
+    kernel."""
     from serving import kernels
 
+    assert kernels.ATTENTION_DECODE_KERNEL
     llm = llms["xla"]
+    monkeypatch.setattr(kernels, "ATTENTION_DECODE_KERNEL", False)
     off = ArenaRunner(llm.runner.model, llm.manager, kernels="pallas")
     off_args = (llm.manager.arena.buffer, llm.runner.table(), *_tree_batch(llm, seed=5)[:3])
     off_prims = _primitives(
