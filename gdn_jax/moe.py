@@ -198,6 +198,19 @@ def route_topk(
     ``num_experts``: the logits are the first ``E`` columns of a wider ``[M, >= E]`` array
     (a fused projection's output: the kernel reads them in place, no copy of the slice)."""
     (logits,) = as_arrays(logits)
+    e = _check_route_args(logits, k, num_experts)
+    path = resolve_impl(impl, "route_topk", logits, k)
+    if path != "xla":
+        return pallas_op("route_topk", path)(
+            logits, k, normalize=normalize, dtype=dtype, num_experts=num_experts
+        )
+    return _route_xla(logits[:, :e], k, normalize, jnp.dtype(dtype))
+
+
+def _check_route_args(logits, k, num_experts) -> int:
+    """``E`` of a :func:`route_topk` / :func:`balanced_route` call; ``ValueError`` naming the
+    argument for logits that are not ``[M, >= E]``, ``num_experts`` past their columns or ``k``
+    outside ``[1, E]``."""
     if logits.ndim != 2:
         raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
     e = logits.shape[1] if num_experts is None else num_experts
@@ -207,16 +220,17 @@ def route_topk(
         )
     if not isinstance(k, int) or not 1 <= k <= e:
         raise ValueError(f"k: must be an int in [1, E = {e}], got {k!r}")
-    path = resolve_impl(impl, "route_topk", logits, k)
-    if path != "xla":
-        return pallas_op("route_topk", path)(
-            logits, k, normalize=normalize, dtype=dtype, num_experts=num_experts
-        )
-    return _route_xla(logits[:, :e], k, normalize, jnp.dtype(dtype))
+    return e
 
 
 def balanced_route(
-    logits: Float[Array, "M E"], k: int, *, normalize: bool = True, dtype=jnp.float32
+    logits: Float[Array, "M E"],
+    k: int,
+    *,
+    normalize: bool = True,
+    dtype=jnp.float32,
+    impl: str = "auto",
+    num_experts: int | None = None,
 ) -> tuple[Float[Array, "M k"], Int[Array, "M k"]]:
     """A benchmark's stand-in for :func:`route_topk` that spreads rows over the experts as a
     trained router does, whatever the logits: row ``m`` takes the ``k`` experts
@@ -233,13 +247,24 @@ def balanced_route(
     model; this keeps the router's matmul and the expert kernels' work realistic. The experts
     follow a row's index in the call, not its token: a model routed this way computes
     different outputs for one sequence in different batch layouts, so it serves timing, not
-    output comparisons."""
+    output comparisons.
+
+    ``impl="pallas"``: one GPU kernel (:mod:`pallas_kernels.moe.route` with ``balanced``;
+    interpret mode off GPU) where XLA runs a gather and a softmax fusion; ``"auto"`` takes it
+    on a GPU where it fits. ``num_experts``: the logits are the first ``E`` columns of a wider
+    ``[M, >= E]`` array, as in :func:`route_topk`."""
     (logits,) = as_arrays(logits)
-    if logits.ndim != 2:
-        raise ValueError(f"logits: expected [M, E], got shape {logits.shape}")
+    e = _check_route_args(logits, k, num_experts)
+    path = resolve_impl(impl, "balanced_route", logits, k)
+    if path != "xla":
+        return pallas_op("balanced_route", path)(
+            logits, k, normalize=normalize, dtype=dtype, num_experts=num_experts
+        )
+    return _balanced_xla(logits[:, :e], k, normalize, jnp.dtype(dtype))
+
+
+def _balanced_xla(logits, k: int, normalize: bool, dtype):
     m, e = logits.shape
-    if not isinstance(k, int) or not 1 <= k <= e:
-        raise ValueError(f"k: must be an int in [1, E = {e}], got {k!r}")
     classes = e // k
     h = jnp.arange(1, m + 1, dtype=jnp.uint32)  # murmur3's finaliser of the row index
     h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)

@@ -16,9 +16,9 @@ tf32x3 / bf16x3 build fits the shared memory (at 128 nodes the kernel runs but i
 than XLA); commit for the same node count and head dims and only from
 :data:`AUTO_COMMIT_MIN_ROWS` rows of ``B * Hv``; the chunked prefill for power-of-two head dims
 and chunks of 16 to 64 tokens. Also registered: the MoE kernels (``routed_experts``,
-``route_topk``) and the snapshot baseline's verify (``snapshot_tree_verify``,
-:func:`pallas_kernels.snapshot_verify`, for power-of-two head dims: one fused kernel per layer
-where the XLA path loops over the nodes with several kernels each).
+``route_topk``, ``balanced_route``) and the snapshot baseline's verify
+(``snapshot_tree_verify``, :func:`pallas_kernels.snapshot_verify`, for power-of-two head dims:
+one fused kernel per layer where the XLA path loops over the nodes with several kernels each).
 """
 
 from __future__ import annotations
@@ -252,8 +252,20 @@ def route_topk(logits, k, *, normalize=True, dtype=jnp.float32, num_experts=None
     )  # fmt: skip
 
 
+def balanced_route(logits, k, *, normalize=True, dtype=jnp.float32, num_experts=None):
+    """A benchmark's stand-in router in one kernel (:func:`gdn_jax.moe.balanced_route`:
+    :func:`pallas_kernels.moe.route.route_topk` with ``balanced``)."""
+    from pallas_kernels.moe.route import route_topk as kernel
+
+    return kernel(
+        logits, k, normalize=normalize, dtype=jnp.dtype(dtype), num_experts=num_experts,
+        balanced=True, interpret=_interpret(),
+    )  # fmt: skip
+
+
 def _route_auto(logits, k) -> bool:
-    """``"auto"`` takes the route kernel wherever it takes the logits: one kernel where XLA runs a sort, a slice and a softmax fusion
+    """``"auto"`` takes the route kernel wherever it takes the logits: one kernel where XLA runs
+    a sort, a slice and a softmax fusion (``balanced_route``: a gather and a softmax fusion)
     (``benchmarks/step_kernels.py`` counts them; not timed on the H200)."""
     from pallas_kernels.moe.route import check_route
 
@@ -311,12 +323,14 @@ def _norm_auto(x, delta, weight) -> bool:
 PALLAS_OPS.update(
     routed_experts=routed_experts,
     route_topk=route_topk,
+    balanced_route=balanced_route,
     snapshot_tree_verify=snapshot_tree_verify,
     add_rms_norm=add_rms_norm,
 )
 AUTO_PALLAS.update(
     routed_experts=_moe_auto,
     route_topk=_route_auto,
+    balanced_route=_route_auto,
     snapshot_tree_verify=_snapshot_auto,
     add_rms_norm=_norm_auto,
 )

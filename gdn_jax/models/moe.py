@@ -56,14 +56,12 @@ class SparseMoE(nnx.Module):
         (:func:`gdn_jax.moe.route_topk` on the router's logits ``raw``, default ``gate(x)``;
         ``raw`` may be wider, the router's ``E`` columns first, as a fused projection's output,
         in ``impl``: with ``norm_topk_prob`` the softmax of the top-k logits, never the full
-        softmax)."""
+        softmax; :func:`gdn_jax.moe.balanced_route` where ``routing`` is ``"balanced"``)."""
         if raw is None:
             raw = self.gate(x) if self.fused_in is None else self.fused_in.matmul(x)
         e = self.num_experts  # ``raw`` may be the fused projection: the router's columns first
-        if self.routing == "balanced":
-            raw = raw[:, :e]
-            return balanced_route(raw, self.top_k, normalize=self.norm_topk_prob, dtype=raw.dtype)
-        return route_topk(
+        route = balanced_route if self.routing == "balanced" else route_topk
+        return route(
             raw,
             self.top_k,
             normalize=self.norm_topk_prob,

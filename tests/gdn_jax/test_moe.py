@@ -381,18 +381,21 @@ def test_pallas_rejects_shapes_before_launch():
     chex.assert_shape(out, (2, 24))
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_balanced_route_spreads_rows_like_uniform_routing(norm):
-    """``balanced_route``: ``k`` distinct in-range ids per row, whatever the logits (here every
-    row's logits equal, which the router's top-k would send to the same ``k`` experts); over
-    ``M`` rows about ``E (1 - (1 - k/E)^M)`` experts touched, as uniform routing; the weights
-    are ``route_topk``'s rule applied to the logits at those ids, against float64."""
+def test_balanced_route_spreads_rows_like_uniform_routing(impl, norm):
+    """``balanced_route`` (the XLA path and the one-kernel Pallas path, interpret mode): ``k``
+    distinct in-range ids per row, whatever the logits (here every row's logits equal, which
+    the router's top-k would send to the same ``k`` experts); over ``M`` rows about
+    ``E (1 - (1 - k/E)^M)`` experts touched, as uniform routing; the weights are
+    ``route_topk``'s rule applied to the logits at those ids, against float64."""
     e, k = 256, 8
     rng = np.random.default_rng(3)
     one = rng.standard_normal(e).astype(np.float32) * 2.0
     for m in (1, 16, 64, 256):
         logits = jnp.asarray(np.broadcast_to(one, (m, e)))
-        w, ids = jax.jit(functools.partial(balanced_route, k=k, normalize=norm))(logits)
+        route = functools.partial(balanced_route, k=k, normalize=norm, impl=impl)
+        w, ids = jax.jit(route)(logits)
         chex.assert_shape([w, ids], (m, k))
         chex.assert_type([w, ids], [jnp.float32, jnp.int32])
         ids = np.asarray(ids)
@@ -413,15 +416,52 @@ def test_balanced_route_spreads_rows_like_uniform_routing(norm):
     assert len(np.unique(np.asarray(route_topk(logits, k, impl="xla")[1]))) == k
 
 
+@pytest.mark.parametrize("e, k", [(256, 8), (512, 10)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_balanced_route_kernel_matches_xla(e, k, norm):
+    """The one-kernel Pallas path (interpret mode on CPU) takes the XLA path's ids exactly and its
+    weights to ~1e-6, on random f32 and bf16 logits (``E`` not a multiple of ``k`` too), also
+    from the first ``E`` columns of a wider array (``num_experts``); a NaN row still takes its
+    class's ids."""
+    rng = np.random.default_rng(e + k + norm)
+    for m in (1, 5):
+        raw = rng.standard_normal((m, e + 19)).astype(np.float32) * 3.0
+        if m == 5:
+            raw[-1] = np.nan  # a diverged row: NaN weights, its class's ids
+        for dtype in (jnp.float32, jnp.bfloat16):
+            wide = jnp.asarray(raw, dtype)
+            w_x, i_x = balanced_route(wide[:, :e], k, normalize=norm, impl="xla")
+            calls = [((wide, k), {"num_experts": e})]
+            if dtype == jnp.float32:
+                calls.append(((wide[:, :e], k), {}))
+            for args, kw in calls:
+                w, ids = balanced_route(*args, normalize=norm, impl="pallas", **kw)
+                chex.assert_shape([w, ids], (m, k))
+                chex.assert_type([w, ids], [jnp.float32, jnp.int32])
+                np.testing.assert_array_equal(ids, i_x)
+                np.testing.assert_allclose(w, w_x, rtol=2e-6, atol=1e-7)
+    assert np.isnan(np.asarray(w_x)[-1]).all() and np.isfinite(np.asarray(w_x)[:-1]).all()
+    w_b, _ = balanced_route(wide, k, normalize=norm, dtype=jnp.bfloat16, impl="pallas",
+                            num_experts=e)  # fmt: skip
+    chex.assert_type(w_b, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(w_b, np.float32), np.asarray(w_x), rtol=4e-3, atol=1e-7)
+
+
 def test_balanced_route_bad_inputs_raise():
-    with pytest.raises(ValueError, match="^k"):
-        balanced_route(np.zeros((2, 10), np.float32), 11)
+    for impl in ("xla", "pallas"):
+        with pytest.raises(ValueError, match="^k"):
+            balanced_route(np.zeros((2, 10), np.float32), 11, impl=impl)
+        with pytest.raises(ValueError, match="^logits"):
+            balanced_route(np.zeros(8, np.float32), 2, impl=impl)
+        for e in (0, 11, 4.0):
+            with pytest.raises(ValueError, match="^num_experts"):
+                balanced_route(np.zeros((2, 10), np.float32), 2, impl=impl, num_experts=e)
+        with pytest.raises(ValueError, match="^k"):
+            balanced_route(np.zeros((2, 10), np.float32), 5, impl=impl, num_experts=4)
     # E not a multiple of k (Qwen3-Next: 512 experts, top-10): distinct in-range ids
     ids = np.asarray(balanced_route(np.zeros((64, 512), np.float32), 10)[1])
     assert ids.min() >= 0 and ids.max() < 510
     assert all(len(set(r)) == 10 for r in ids.tolist())
-    with pytest.raises(ValueError, match="^logits"):
-        balanced_route(np.zeros(8, np.float32), 2)
 
 
 def test_set_moe_routing_switches_the_block():
