@@ -344,11 +344,11 @@ def main(argv: list[str] | None = None) -> dict:
         "default: the kernel, as the engine runs)",
     )
     ap.add_argument(
-        "--no-step-norm",
+        "--step-norm",
         action="store_true",
-        help="decode's GDN layers with their gated RMSNorm as an XLA kernel after the step "
-        "kernel (serving.kernels.DECODE_GATED_NORM = False; default: inside it, as the engine "
-        "runs)",
+        help="decode's GDN layers with their gated RMSNorm inside the step kernel "
+        "(serving.kernels.DECODE_GATED_NORM = True; default: an XLA kernel after it, as the "
+        "engine runs)",
     )
     ap.add_argument(
         "--xla-remat",
@@ -367,10 +367,10 @@ def main(argv: list[str] | None = None) -> dict:
         from serving import kernels
 
         kernels.ATTENTION_DECODE_KERNEL = False  # read when the engine picks its kernels
-    if args.no_step_norm:
+    if args.step_norm:
         from serving import kernels
 
-        kernels.DECODE_GATED_NORM = False  # read when the engine picks its kernels
+        kernels.DECODE_GATED_NORM = True  # read when the engine picks its kernels
     if args.compile_cache:
         from serving.cli import compile_cache
 

@@ -215,11 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
         "default: the kernel, as the engine runs)",
     )
     ap.add_argument(
-        "--no-step-norm",
+        "--step-norm",
         action="store_true",
-        help="decode's GDN layers with their gated RMSNorm as an XLA kernel after the step "
-        "kernel (serving.kernels.DECODE_GATED_NORM = False; default: inside it, as the engine "
-        "runs)",
+        help="decode's GDN layers with their gated RMSNorm inside the step kernel "
+        "(serving.kernels.DECODE_GATED_NORM = True; default: an XLA kernel after it, as the "
+        "engine runs)",
     )
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
@@ -228,10 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
         from serving import kernels as engine_kernels
 
         engine_kernels.ATTENTION_DECODE_KERNEL = False
-    if args.no_step_norm:
+    if args.step_norm:
         from serving import kernels as engine_kernels
 
-        engine_kernels.DECODE_GATED_NORM = False
+        engine_kernels.DECODE_GATED_NORM = True
     if not set(args.spec_method.split(",")) <= {"draft_model", "mtp"}:
         ap.error(f"--spec-method: draft_model and/or mtp, got {args.spec_method!r}")
     from benchmarks.compile_report import h200_sharding

@@ -39,9 +39,12 @@ KERNEL_CHOICES = ("xla", "pallas", "auto", "pallas_tpu")
 # --no-attention-prep turns it off for a run)
 ATTENTION_DECODE_KERNEL = True
 # decode's GDN layers apply their gated RMSNorm inside the recurrent step kernel (a program per
-# whole value head) instead of an XLA kernel after it; read by select_kernels
-# (benchmarks.model_step --no-step-norm turns it off for a run)
-DECODE_GATED_NORM = True
+# whole value head) instead of an XLA kernel after it: off, as on the H200 the step kernel's
+# programs of a whole head cost more than the norm's kernel saves (40-layer 35B decode, GPU
+# busy: the 30 step kernels 150 -> 254 us at batch 1, 769 -> 1196 us at 16, for 30 norm
+# kernels of ~42 us at batch 1; benchmarks/README.md, model_step). Read by select_kernels
+# (benchmarks.model_step --step-norm turns it on for a run)
+DECODE_GATED_NORM = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -331,7 +331,8 @@ def test_fused_attention_decode_prep_equals_xla(llms, monkeypatch):
     partial rope, the token's K/V written into its page in place: ``attention_decode_prep``):
     three greedy steps give the XLA path's logits, tokens and arena, and the program scatters no
     K/V window (a padding row writes nothing). Off, the same runner's program has no such
-    kernel."""
+    kernel. The pallas runner also takes the GDN layers' gated norm inside their step kernel
+    (``serving.kernels.DECODE_GATED_NORM``)."""
     from serving import kernels
 
     assert kernels.ATTENTION_DECODE_KERNEL
@@ -346,6 +347,8 @@ def test_fused_attention_decode_prep_equals_xla(llms, monkeypatch):
     for i in range(2):
         llm.manager.free(("kern", 5, i))
     monkeypatch.setattr(kernels, "ATTENTION_DECODE_KERNEL", True)
+    # the GDN layers' gated norm inside their step kernel too (off by default)
+    monkeypatch.setattr(kernels, "DECODE_GATED_NORM", True)
     mm = llm.manager
     model = llm.runner.model
     assert model.layers[-1].self_attn.fused_in is not None
