@@ -176,9 +176,17 @@ MOE_FEW_PAIRS = 8192
 # with the shared expert's down projection in the same launch): at M 1 on the H200 19.6 us of
 # kernel time against the small-M kernels' 22.4 (1.60x and 1.84x the floor), two launches a
 # layer fewer; M >= 2 stays on small_m (1.19x at M 4; the decode kernel was not measured there
-# with its dots) (`python -m benchmarks.moe --paths decode,small_m --profile`).
-MOE_DECODE = moe_kernels.DecodeBlocks()
+# with its dots) (`python -m benchmarks.moe --paths decode,small_m --profile`). For 2-byte
+# weights the shared term in 128-row blocks (at M 1 with the shared expert: 22.8 us of kernel
+# time against 23.8 with the 64-row default; 256 rows ask for more shared memory than a block
+# has; benchmarks/README.md, moe); float32 weights take the defaults.
+MOE_DECODE = moe_kernels.DecodeBlocks(block_hs=128)
+MOE_DECODE_F32 = moe_kernels.DecodeBlocks()
 MOE_DECODE_MAX_TOKENS = 1
+
+
+def _moe_decode_blocks(dtype) -> moe_kernels.DecodeBlocks:
+    return MOE_DECODE if jnp.dtype(dtype).itemsize <= 2 else MOE_DECODE_F32
 
 
 def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, shared=None):
@@ -191,7 +199,7 @@ def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, shared
     args = (x, weights, experts, gate_proj, up_proj, down_proj)
     if _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared):
         return moe_kernels.routed_experts_decode(
-            *args, shared, blocks=MOE_DECODE, interpret=_interpret()
+            *args, shared, blocks=_moe_decode_blocks(gate_proj.dtype), interpret=_interpret()
         )
     if _moe_small(experts):
         out = moe_kernels.routed_experts_small_m(*args, blocks=MOE_SMALL_M, interpret=_interpret())
@@ -206,8 +214,9 @@ def _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared) -> b
         return False
     try:
         moe_kernels.check_decode(
-            x, weights, experts, gate_proj, up_proj, down_proj, shared, MOE_DECODE
-        )
+            x, weights, experts, gate_proj, up_proj, down_proj, shared,
+            _moe_decode_blocks(gate_proj.dtype),
+        )  # fmt: skip
     except ValueError:
         return False
     return True

@@ -77,7 +77,7 @@ class DecodeBlocks:
     block_i: int = 32
     block_k: int = 256
     block_h: int = 512
-    block_hs: int = 128
+    block_hs: int = 64
     max_pairs: int = 64
     num_warps: int = 4
     num_stages: int = 3
