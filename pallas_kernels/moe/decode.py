@@ -72,7 +72,10 @@ class DecodeBlocks:
     float32 weights (bf16 / f16 weights: one exact-product pass, f32 accumulation). Block sizes
     are powers of two >= 16; a kernel uses the largest power of two <= the knob that divides
     the dimension. The defaults did best in a sweep on the H200 at Qwen3.5-35B-A3B's MoE, one
-    token (``benchmarks/README.md#moe``)."""
+    token (``benchmarks/README.md#moe``). The GPU build's shared memory per block grows with
+    ``num_stages`` times the tiles (bf16: 106496 bytes with the defaults and a shared term,
+    204800 with ``block_hs=128``; float32 with a :class:`SharedGLU` term: 233472, over the
+    H200's 232448, so float32 takes ``block_k=128`` there: 200704)."""
 
     block_i: int = 32
     block_k: int = 256
