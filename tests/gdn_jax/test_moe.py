@@ -186,8 +186,10 @@ def tiny_moe(dtype, seed=0) -> SparseMoE:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sparse_moe_call_is_routed_plus_gated_shared(dtype):
     """``SparseMoE.__call__`` = the routed experts (``routed_experts`` on the router's top-k)
-    plus the sigmoid-gated shared expert, bit for bit, jitted; output in the input's dtype."""
+    plus the sigmoid-gated shared expert, bit for bit, jitted; output in the input's dtype.
+    Both sides on the XLA path (on a GPU "auto" would route the block to the kernels)."""
     moe = tiny_moe(dtype)
+    moe.impl = "xla"
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 7, H)), dtype)
     params = (moe.gate_proj[...], moe.up_proj[...], moe.down_proj[...])
 
