@@ -182,3 +182,33 @@ def write_json(path, doc) -> None:
     """Writes ``doc`` as indented JSON (non-JSON values as ``str``); no-op without a path."""
     if path:
         Path(path).write_text(json.dumps(doc, indent=1, default=str))
+
+
+def add_decode_kernel_switches(ap) -> None:
+    """``--no-attention-prep`` and ``--step-norm``: the engine's decode-kernel switches
+    (:mod:`serving.kernels`) for A/B runs; :func:`apply_decode_kernel_switches` sets them."""
+    ap.add_argument(
+        "--no-attention-prep",
+        action="store_true",
+        help="decode's attention layers by XLA's kernels instead of the one kernel from their "
+        "projection to their queries (serving.kernels.ATTENTION_DECODE_KERNEL = False; "
+        "default: the kernel, as the engine runs)",
+    )
+    ap.add_argument(
+        "--step-norm",
+        action="store_true",
+        help="decode's GDN layers with their gated RMSNorm inside the step kernel "
+        "(serving.kernels.DECODE_GATED_NORM = True; default: an XLA kernel after it, as the "
+        "engine runs)",
+    )
+
+
+def apply_decode_kernel_switches(args) -> None:
+    """Sets :func:`add_decode_kernel_switches`' choices, read when an engine picks its
+    kernels."""
+    from serving import kernels
+
+    if args.no_attention_prep:
+        kernels.ATTENTION_DECODE_KERNEL = False
+    if args.step_norm:
+        kernels.DECODE_GATED_NORM = True

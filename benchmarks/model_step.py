@@ -59,6 +59,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    add_decode_kernel_switches,
+    apply_decode_kernel_switches,
     fmt_bytes,
     frees_deferred,
     ints,
@@ -336,20 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine whose programs match loads them from disk (at 40 layers the B 1 programs "
         "take most of a run to compile)",
     )
-    ap.add_argument(
-        "--no-attention-prep",
-        action="store_true",
-        help="decode's attention layers by XLA's kernels instead of the one kernel from their "
-        "projection to their queries (serving.kernels.ATTENTION_DECODE_KERNEL = False; "
-        "default: the kernel, as the engine runs)",
-    )
-    ap.add_argument(
-        "--step-norm",
-        action="store_true",
-        help="decode's GDN layers with their gated RMSNorm inside the step kernel "
-        "(serving.kernels.DECODE_GATED_NORM = True; default: an XLA kernel after it, as the "
-        "engine runs)",
-    )
+    add_decode_kernel_switches(ap)
     ap.add_argument(
         "--xla-remat",
         action="store_true",
@@ -363,14 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
         from serving import launch
 
         launch.REMAT_OFF = False  # read when the engine jits its step programs
-    if args.no_attention_prep:
-        from serving import kernels
-
-        kernels.ATTENTION_DECODE_KERNEL = False  # read when the engine picks its kernels
-    if args.step_norm:
-        from serving import kernels
-
-        kernels.DECODE_GATED_NORM = True  # read when the engine picks its kernels
+    apply_decode_kernel_switches(args)
     if args.compile_cache:
         from serving.cli import compile_cache
 

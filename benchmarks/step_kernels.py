@@ -47,7 +47,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.common import CallCapture, ints, load_config, markdown_table, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    CallCapture,
+    add_decode_kernel_switches,
+    apply_decode_kernel_switches,
+    ints,
+    load_config,
+    markdown_table,
+    write_json,
+)
 
 
 def entry_launches(hlo: str) -> dict:
@@ -207,31 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="also the snapshot method's verify (a scratch unit per node) at each tree size",
     )
-    ap.add_argument(
-        "--no-attention-prep",
-        action="store_true",
-        help="decode's attention layers by XLA's kernels instead of the one kernel from their "
-        "projection to their queries (serving.kernels.ATTENTION_DECODE_KERNEL = False; "
-        "default: the kernel, as the engine runs)",
-    )
-    ap.add_argument(
-        "--step-norm",
-        action="store_true",
-        help="decode's GDN layers with their gated RMSNorm inside the step kernel "
-        "(serving.kernels.DECODE_GATED_NORM = True; default: an XLA kernel after it, as the "
-        "engine runs)",
-    )
+    add_decode_kernel_switches(ap)
     ap.add_argument("--dump", metavar="DIR", help="also write each program's optimized HLO here")
     ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
-    if args.no_attention_prep:
-        from serving import kernels as engine_kernels
-
-        engine_kernels.ATTENTION_DECODE_KERNEL = False
-    if args.step_norm:
-        from serving import kernels as engine_kernels
-
-        engine_kernels.DECODE_GATED_NORM = True
+    apply_decode_kernel_switches(args)
     if not set(args.spec_method.split(",")) <= {"draft_model", "mtp"}:
         ap.error(f"--spec-method: draft_model and/or mtp, got {args.spec_method!r}")
     from benchmarks.compile_report import h200_sharding

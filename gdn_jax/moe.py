@@ -197,14 +197,20 @@ def route_topk(
 
     ``num_experts``: the logits are the first ``E`` columns of a wider ``[M, >= E]`` array
     (a fused projection's output: the kernel reads them in place, no copy of the slice)."""
+    return _dispatch_route("route_topk", _route_xla, logits, k, normalize, dtype, impl, num_experts)
+
+
+def _dispatch_route(op: str, xla, logits, k, normalize, dtype, impl, num_experts):
+    """A router call (``op``: ``"route_topk"`` or ``"balanced_route"``) on its Pallas kernel
+    where ``impl`` resolves to it, else ``xla(logits[:, :E], k, normalize, dtype)``."""
     (logits,) = as_arrays(logits)
     e = _check_route_args(logits, k, num_experts)
-    path = resolve_impl(impl, "route_topk", logits, k)
+    path = resolve_impl(impl, op, logits, k)
     if path != "xla":
-        return pallas_op("route_topk", path)(
+        return pallas_op(op, path)(
             logits, k, normalize=normalize, dtype=dtype, num_experts=num_experts
         )
-    return _route_xla(logits[:, :e], k, normalize, jnp.dtype(dtype))
+    return xla(logits[:, :e], k, normalize, jnp.dtype(dtype))
 
 
 def _check_route_args(logits, k, num_experts) -> int:
@@ -253,14 +259,9 @@ def balanced_route(
     interpret mode off GPU) where XLA runs a gather and a softmax fusion; ``"auto"`` takes it
     on a GPU where it fits. ``num_experts``: the logits are the first ``E`` columns of a wider
     ``[M, >= E]`` array, as in :func:`route_topk`."""
-    (logits,) = as_arrays(logits)
-    e = _check_route_args(logits, k, num_experts)
-    path = resolve_impl(impl, "balanced_route", logits, k)
-    if path != "xla":
-        return pallas_op("balanced_route", path)(
-            logits, k, normalize=normalize, dtype=dtype, num_experts=num_experts
-        )
-    return _balanced_xla(logits[:, :e], k, normalize, jnp.dtype(dtype))
+    return _dispatch_route(
+        "balanced_route", _balanced_xla, logits, k, normalize, dtype, impl, num_experts
+    )
 
 
 def _balanced_xla(logits, k: int, normalize: bool, dtype):
