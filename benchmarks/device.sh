@@ -33,6 +33,10 @@
 #                       kernel time profiled
 #   moe_grouped         moe: the grouped kernel at M 464/1024/2048 and 8192, defaults against the
 #                       routed 32- and 128-row tiles, kernel time profiled
+#   moe_decode_shared   moe: the decode kernel at M 1 with the shared term, its rows per program
+#                       (block_hs) and stages
+#   b1_profile          model_step: decode at B 1 and 16 only, every kernel profiled in launch
+#                       order (~220 s)
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
 #                       decode at B 1/16/64/256, a 29-node verify at B 16, four 4k-token prompts
 #                       prefilled in chunks of 2048, each against its floor (~330 s); KERNELS
@@ -174,6 +178,17 @@ step() {
       --profile --sets 8 --reps 20 --small-blocks "" --small-blocks split_k=1 \
       --small-blocks $old,split_k=1 --small-blocks $old --small-blocks block_i=64,block_h=128 \
       --small-blocks target_programs=512 --json "$(json moe h200_small_m)"
+    ;;
+  moe_decode_shared)
+    TAILN=10 run 200 moe h200_decode_shared_blocks python3 -m benchmarks.moe --m 1 --paths decode \
+      --profile --sets 8 --reps 20 --shared-inter 512 --decode-blocks "" \
+      --decode-blocks block_hs=128 --decode-blocks block_hs=256 --decode-blocks num_stages=2 \
+      --decode-blocks block_hs=128,num_stages=2 --json "$(json moe h200_decode_shared_blocks)"
+    ;;
+  b1_profile)
+    TAILN=8 run 300 model_step h200_b1_profile python3 -m benchmarks.model_step --kernels auto \
+      --batch 1,16 --tree-sizes "" --prefill-prompts 0 --reps 10 --profile --profile-top 40 \
+      --profile-sequence ${ARGS:-} --json "$(json model_step h200_b1_profile)"
     ;;
   moe_decode)
     TAILN=20 run 240 moe h200_decode python3 -m benchmarks.moe --m 1,2 --paths decode,small_m \
