@@ -34,7 +34,8 @@
 #   moe_grouped         moe: the grouped kernel at M 464/1024/2048 and 8192, defaults against the
 #                       routed 32- and 128-row tiles, kernel time profiled
 #   moe_decode_shared   moe: the decode kernel at M 1 with the shared term, its rows per program
-#                       (block_hs) and stages
+#                       (block_hs) and stages; VARIANTS (more --decode-blocks specs, space
+#                       separated: e.g. "block_k=128,block_hs=128 num_warps=8")
 #   b1_profile          model_step: decode at B 1 and 16 only, every kernel profiled in launch
 #                       order (~220 s)
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
@@ -183,7 +184,9 @@ step() {
     TAILN=10 run 200 moe h200_decode_shared_blocks python3 -m benchmarks.moe --m 1 --paths decode \
       --profile --sets 8 --reps 20 --shared-inter 512 --decode-blocks "" \
       --decode-blocks block_hs=128 --decode-blocks block_hs=256 --decode-blocks num_stages=2 \
-      --decode-blocks block_hs=128,num_stages=2 --json "$(json moe h200_decode_shared_blocks)"
+      --decode-blocks block_hs=128,num_stages=2 \
+      $(for v in ${VARIANTS:-}; do printf -- '--decode-blocks %s ' "$v"; done) \
+      --json "$(json moe h200_decode_shared_blocks)"
     ;;
   b1_profile)
     TAILN=8 run 300 model_step h200_b1_profile python3 -m benchmarks.model_step --kernels auto \
