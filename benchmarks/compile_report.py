@@ -39,6 +39,15 @@ as the H200's launch error said). It needs the CUDA plugin of the pinned jax, in
         jax-cuda12-plugin==0.11.2 jax-cuda12-pjrt==0.11.2
     /tmp/cv/bin/python -m benchmarks.compile_report --xla --nodes 128 --dtype float32 \\
         "precision=tf32x3" "precision=bf16x3"
+
+The MoE kernels the same way, in that venv: ``--kernel moe_decode`` gives the decode kernel's
+request per ``DecodeBlocks`` spec, dtype and shared term (none, a pair, a ``SharedGLU``);
+``--kernel moe_routes`` compiles ``routed_experts(impl="pallas")`` (the blocks its route picks)
+at the H200's real limit for each dtype and token count of ``--tokens-list``, and says whether
+it fits::
+
+    /tmp/cv/bin/python -m benchmarks.compile_report --kernel moe_decode "" "block_hs=128"
+    /tmp/cv/bin/python -m benchmarks.compile_report --kernel moe_routes
 """
 
 from __future__ import annotations
@@ -309,6 +318,15 @@ XLA_COLS = [
     "fits",
     ("estimate_B", "estimate (B)"),
 ]
+MOE_COLS = [
+    ("spec", "DecodeBlocks"),
+    "kernel",
+    "tokens",
+    "dtype",
+    "shared",
+    ("xla_shared_B", "shared memory (B)"),
+    "fits",
+]
 CHUNK_COLS = [
     ("spec", "ChunkBlocks"),
     "kernel",
@@ -326,6 +344,88 @@ CHUNK_COLS = [
 ]
 
 
+# Qwen3.5-35B-A3B's MoE (E, k, H, I, I_s): the MoE kernels' shared memory depends on their
+# blocks and dtype, not on these dims (they only need to hold a block)
+MOE_DIMS = (256, 8, 2048, 512, 512)
+SHARED_FORMS = ("none", "pair", "glu")
+
+
+def moe_args(sd, dtype, m: int, shared: str):
+    """Abstract ``routed_experts`` arguments at :data:`MOE_DIMS`: ``(x, weights, experts, gate,
+    up, down)`` and the ``shared`` term (``none``, a pair ``(h_s, w_s)`` or a ``SharedGLU``
+    over a fused projection's output)."""
+    from gdn_jax.moe import SharedGLU
+
+    e, k, h, i, i_s = MOE_DIMS
+    args = (sd((m, h), dtype), sd((m, k), dtype), sd((m, k), jnp.int32))
+    args += (sd((e, h, i), dtype), sd((e, h, i), dtype), sd((e, i, h), dtype))
+    if shared == "pair":
+        return args, (sd((m, i_s), dtype), sd((h, i_s), dtype))
+    if shared == "glu":
+        act = sd((m, e + 2 * i_s + 1), dtype)
+        return args, SharedGLU(
+            act, sd((h, i_s), dtype), gate_col=e, up_col=e + i_s, logit_col=e + 2 * i_s
+        )
+    return args, None
+
+
+def _compile_error(fn, args) -> int | None:
+    """The shared memory a deviceless compile's limit error asks for; None if it compiled."""
+    try:
+        jax.jit(fn).trace(*args).lower().compile()
+    except Exception as e:  # the limit error is a JaxRuntimeError
+        if m := re.search(r"Shared memory size limit exceeded: requested (\d+)", str(e)):
+            return int(m.group(1))
+        raise
+    return None
+
+
+def moe_decode_rows(specs, dtypes, m: int) -> list[dict]:
+    """Shared memory per block of the decode MoE kernel's GPU build (limit at 1 byte) per
+    ``DecodeBlocks`` spec, dtype and shared form."""
+    from pallas_kernels.moe.decode import DecodeBlocks, routed_experts_decode
+
+    one = h200_sharding(1)
+    sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=one)
+    rows = []
+    for spec in specs:
+        bl = parse_blocks([spec], DecodeBlocks)[0]
+        for dtype in dtypes:
+            for shared in SHARED_FORMS:
+                args, sh = moe_args(sd, jnp.dtype(dtype), m, shared)
+                fn = lambda *a, bl=bl: routed_experts_decode(*a, blocks=bl)
+                need = _compile_error(fn, (*args, sh))
+                row = dict(spec=spec, kernel="moe_decode", tokens=m, dtype=jnp.dtype(dtype).name)
+                row.update(shared=shared, xla_shared_B=need, fits=need <= GPU_SMEM_LIMIT)
+                rows.append(row)
+    return rows
+
+
+def moe_route_rows(dtypes, tokens) -> list[dict]:
+    """Whether ``routed_experts(impl="pallas")`` (the blocks its route picks) compiles for the
+    H200 within its shared memory, per dtype, token count and shared form (a shared term at
+    up to 16 tokens, as decode and small verify batches pass it)."""
+    from gdn_jax.moe import routed_experts
+
+    h200 = h200_sharding(GPU_SMEM_LIMIT)
+    sd = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=h200)
+    rows = []
+    for dtype in dtypes:
+        for m in tokens:
+            for shared in SHARED_FORMS if m <= 16 else ("none",):
+                args, sh = moe_args(sd, jnp.dtype(dtype), m, shared)
+                fn = lambda *a: routed_experts(*a[:6], shared=a[6], impl="pallas")
+                need = _compile_error(fn, (*args, sh))
+                row = dict(spec="route", kernel="routed_experts", tokens=m)
+                row.update(dtype=jnp.dtype(dtype).name, shared=shared, xla_shared_B=need)
+                rows.append(dict(row, fits=need is None))
+    return rows
+
+
+# the H200's shared memory per block (sm_90's opt-in limit, 227 KiB)
+GPU_SMEM_LIMIT = 232448
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.compile_report",
@@ -334,7 +434,20 @@ def main(argv=None) -> list[dict]:
     )
     a = p.add_argument
     a("specs", nargs="*", default=[""], help="VerifyBlocks / ChunkBlocks specs ('' = defaults)")
-    a("--kernel", choices=("verify", "arena", "commit", "chunk"), default="verify")
+    a(
+        "--kernel",
+        choices=("verify", "arena", "commit", "chunk", "moe_decode", "moe_routes"),
+        default="verify",
+        help="moe_decode: the decode MoE kernel's shared memory (as --xla) per DecodeBlocks "
+        "spec, dtype and shared term; moe_routes: routed_experts(impl='pallas') at every "
+        "token count of --tokens-list, whether its build fits the H200",
+    )
+    a(
+        "--tokens-list",
+        default=None,
+        help="moe_decode, moe_routes: token counts (default 1,2 and 1,2,16,64,65,464,1100)",
+    )
+    a("--dtypes", default="bfloat16,float16,float32", help="moe_decode, moe_routes: dtypes")
     a("--tokens", type=int, default=256, help="chunk: T (tokens per sequence)")
     a("--batch", type=int, default=16)
     a("--hv", type=int, default=32)
@@ -346,6 +459,17 @@ def main(argv=None) -> list[dict]:
     a("--triton-path", default="/tmp/tri", help="where Triton is installed")
     a("--json", default="", help="also write the rows here (after each kernel)")
     args = p.parse_args(argv)
+    if args.kernel in ("moe_decode", "moe_routes"):
+        dtypes = args.dtypes.split(",")
+        default = "1,2" if args.kernel == "moe_decode" else "1,2,16,64,65,464,1100"
+        tokens = [int(t) for t in (args.tokens_list or default).split(",")]
+        if args.kernel == "moe_decode":
+            rows = [r for m in tokens for r in moe_decode_rows(args.specs, dtypes, m)]
+        else:
+            rows = moe_route_rows(dtypes, tokens)
+        write_json(args.json, rows)
+        print(markdown_table([dict(r, spec=f"`{r['spec'] or 'default'}`") for r in rows], MOE_COLS))
+        return rows
     if args.xla:
         if args.kernel == "chunk":
             sys.exit("--xla: verify, arena or commit")

@@ -182,9 +182,9 @@ MOE_FEW_PAIRS = 8192
 # has; benchmarks/README.md, moe). Float32 weights take 128 rows of H a gate/up step: with the
 # shared expert's activation formed in the kernel (SharedGLU), the defaults' build asks for
 # 233472 bytes of shared memory per block, over the H200's 232448, and fails to launch; 128
-# rows ask for 200704 with or without the term (deviceless H200 compiles of the kernel at
-# Qwen3.5-35B-A3B's and Qwen3-Next's MoE shapes, M 1 and 2; the request depends on the blocks
-# and the dtype, not on the shapes). 2-byte weights with 128-row shared blocks ask for 204800.
+# rows ask for 200704 with or without the term; 2-byte weights with 128-row shared blocks ask
+# for 204800 (deviceless H200 builds: `benchmarks.compile_report --kernel moe_decode`; every
+# route's build fits: `--kernel moe_routes`; benchmarks/README.md, compile_report).
 MOE_DECODE = moe_kernels.DecodeBlocks(block_hs=128)
 MOE_DECODE_F32 = moe_kernels.DecodeBlocks(block_k=128)
 MOE_DECODE_MAX_TOKENS = 1
