@@ -216,7 +216,8 @@ def recurrent_step_mixed(
     :class:`gdn_jax.models.norm.GatedRMSNorm`: ``o`` and the normed ``o`` rounded to ``o``'s
     dtype, the weight's product rounded to it, the gate's product in f32), so no kernel runs
     between this one and the output projection. A program then holds a whole value head
-    (``block_v`` is taken as ``V``, a power of two; ``num_warps`` 8 unless given, else 4).
+    (``block_v`` is taken as ``V``, a power of two). ``num_warps`` defaults to 8 with the
+    norm, 4 without.
 
     Returns ``(o [B, Hv, V] in mixed's dtype, arena)``."""
     if mixed.ndim != 2:
@@ -337,8 +338,12 @@ def gated_norm(o, w, z, eps: float, dtype):
     o = o.astype(dtype).astype(F32)
     xn = (o * jax.lax.rsqrt(jnp.mean(o * o) + eps)).astype(dtype).astype(F32)
     y = (w.astype(F32) * xn).astype(dtype).astype(F32)
-    zf = z.astype(F32)
-    return y * (zf / (1.0 + jnp.exp(-zf)))
+    return y * silu(z.astype(F32))
+
+
+def silu(x):
+    """``x sigmoid(x)`` in-kernel (f32)."""
+    return x / (1.0 + jnp.exp(-x))
 
 
 def recurrent_prefill(

@@ -28,13 +28,9 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._arena import check_table_handles, whole
 from pallas_kernels._wy import F32
-from pallas_kernels.decode.arena import row_flags
+from pallas_kernels.decode.arena import row_flags, silu
 
 HIGH_HALF = 0xFFFF0000
-
-
-def _silu(x):
-    return x / (1.0 + jnp.exp(-x))
 
 
 def conv_step(
@@ -128,7 +124,7 @@ def conv_step(
             acc = xc * w_ref[ch * w + (w - 1)].astype(F32)
             for t in range(w - 1):
                 acc = acc + st[t] * w_ref[ch * w + t].astype(F32)
-            plt.store(y_ref.at[i, ch], _silu(acc).astype(y_ref.dtype))
+            plt.store(y_ref.at[i, ch], silu(acc).astype(y_ref.dtype))
             xs.append(xc)
         # the shifted window: rows 1.. of the old state, then x
         if packed:
