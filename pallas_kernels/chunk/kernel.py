@@ -76,6 +76,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import _fit as fit
+
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 L2NORM_EPS = 1e-6
@@ -627,8 +629,9 @@ def intra_call(cfg: _Launch, start, length, k, v, g, beta):
         dots=cfg.dots,
         exact_v=cfg.exact_v,
     )
-    out = pl.pallas_call(
+    out = fit.pallas_call(
         kernel,
+        knobs=cfg.blocks,
         grid=(n_slots, hv),
         in_specs=[x[2] for x in ins],
         out_specs=[x[1] for x in outs],
@@ -691,8 +694,9 @@ def state_call(cfg: _Launch, seq_first, seq_chunks, start, length, q, k, v, inte
         scale=cfg.scale,
         use_l2norm=cfg.use_l2norm,
     )
-    out = pl.pallas_call(
+    out = fit.pallas_call(
         kernel,
+        knobs=cfg.blocks,
         grid=(n_seq, hv, dv // bvs),
         in_specs=[x[2] for x in ins],
         out_specs=[x[1] for x in outs],
@@ -717,8 +721,9 @@ def out_call(cfg: _Launch, start, length, q, k, gc, rk, u, hst, out_dtype):
         use_l2norm=cfg.use_l2norm,
         dots=cfg.dots,
     )
-    return pl.pallas_call(
+    return fit.pallas_call(
         kernel,
+        knobs=cfg.blocks,
         grid=(n_slots, hv, dv // bvo),
         in_specs=[
             slots,

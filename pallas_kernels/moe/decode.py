@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import _fit as fit
 from pallas_kernels._wy import F32
 from pallas_kernels.moe._common import (
     check_knobs,
@@ -339,8 +340,9 @@ def routed_experts_decode(
         glu=glu,
     )
     whole = pl.BlockSpec(memory_space=None)
-    y = pl.pallas_call(
+    y = fit.pallas_call(
         kernel,
+        knobs=blocks,
         grid=(n + (m if extra else 0), cols),
         in_specs=[whole] * (6 + len(extra)),
         out_specs=whole,

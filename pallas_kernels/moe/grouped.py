@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import _fit as fit
 from pallas_kernels._wy import F32
 from pallas_kernels.moe._common import (
     TileBlocks,
@@ -218,13 +219,14 @@ def routed_experts_grouped(
     nt1 = i // bi
     where1 = functools.partial(_swizzle, nb=nb, nt=nt1, group=blocks.group_m)
     row_spec = pl.BlockSpec((bm,), lambda p: (where1(p)[0],))
-    h_rows = pl.pallas_call(
+    h_rows = fit.pallas_call(
         functools.partial(_gate_up_kernel, where=where1, bi=bi, bk=bkh, prec=prec),
         grid=(nb * nt1,),
         in_specs=[whole, row_spec, row_spec, whole, whole, whole],
         out_specs=pl.BlockSpec((bm, bi), where1),
         out_shape=jax.ShapeDtypeStruct((rows, i), gate.dtype),
         compiler_params=params,
+        knobs=blocks,
         interpret=interpret,
         name="moe_grouped_gate_up",
     )(plan.block_expert, plan.row_token, plan.row_weight, x, gate, up)
@@ -232,13 +234,14 @@ def routed_experts_grouped(
     nt2 = h // bh
     where2 = functools.partial(_swizzle, nb=nb, nt=nt2, group=blocks.group_m)
     y_dtype = F32 if blocks.pair_f32 else gate.dtype
-    y_rows = pl.pallas_call(
+    y_rows = fit.pallas_call(
         functools.partial(_down_kernel, where=where2, bh=bh, bk=bki, prec=prec),
         grid=(nb * nt2,),
         in_specs=[whole, pl.BlockSpec((bm, i), lambda p: (where2(p)[0], 0)), whole],
         out_specs=pl.BlockSpec((bm, bh), where2),
         out_shape=jax.ShapeDtypeStruct((rows, h), y_dtype),
         compiler_params=params,
+        knobs=blocks,
         interpret=interpret,
         name="moe_grouped_down",
     )(plan.block_expert, h_rows, down)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import _fit as fit
 from pallas_kernels._wy import F32, next_pow2
 from pallas_kernels.moe._common import (
     TileBlocks,
@@ -292,8 +293,9 @@ def routed_experts_small_m(
     )
     # one program per tile: h rows in the weights' dtype; split: the two f32 partial sums
     part = jax.ShapeDtypeStruct((pg * (n + 1), i), F32)
-    gate_up_out = pl.pallas_call(
+    gate_up_out = fit.pallas_call(
         gate_up,
+        knobs=blocks,
         grid=(n_pad, i // bi) + ((pg,) if pg > 1 else ()),
         in_specs=[whole] * 5,
         out_specs=whole if pg == 1 else (whole, whole),
@@ -308,7 +310,7 @@ def routed_experts_small_m(
         ag, au = (a.reshape(pg, n + 1, i)[:, :n].sum(axis=0) for a in gate_up_out)
         hp = swiglu(ag, au) * w.astype(F32)[:, None]
         h_pairs = jnp.concatenate([hp, jnp.zeros((1, i), F32)]).astype(gate.dtype)
-    y_pairs = pl.pallas_call(
+    y_pairs = fit.pallas_call(
         functools.partial(
             _down_kernel,
             n=n,
@@ -325,6 +327,7 @@ def routed_experts_small_m(
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((pd * (n + 1), h), F32),
         compiler_params=params,
+        knobs=blocks,
         interpret=interpret,
         name="moe_small_m_down",
     )(ids, h_pairs, down)
