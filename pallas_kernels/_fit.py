@@ -56,7 +56,7 @@ def check_fits(call, args, *, name: str, knobs) -> None:
     """``ValueError`` naming ``blocks`` when ``call``'s GPU build on ``args``' shapes asks for
     more shared memory per block than the device gives; nothing off a GPU (unless
     :data:`TARGET` is set) or when it fits. Each distinct build compiles once a process."""
-    if TARGET is None and jax.default_backend() != "gpu":
+    if TARGET is None and jax.devices()[0].platform != "gpu":
         return
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=TARGET) for a in args]
     lowered = _lower(call, avals)
