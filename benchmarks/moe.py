@@ -262,7 +262,7 @@ def row_errors(out, ref) -> tuple[float, float]:
 def skip_reason(path: str, fn, m: int, args) -> str:
     """Why ``path`` cannot run at this ``M`` here (empty: it can)."""
     if path == "mgpu" and not moe.mgpu_available():
-        return "needs a Hopper GPU (Mosaic GPU has no interpret mode)"
+        return "needs a Hopper GPU (the benchmark times no interpret mode)"
     if path in ("decode", "small_m") and m * args.top_k > fn.keywords["blocks"].max_pairs:
         return f"M * k > max_pairs = {fn.keywords['blocks'].max_pairs}"
     return ""

@@ -10,8 +10,8 @@
   gate and up fused with SiLU and the routing weight, then the down projection;
 - ``grouped.py``: many tokens (prefill). Pairs sorted by expert into expert-aligned row blocks
   (XLA, on device), then the same two fused kernels as a grouped GEMM over the blocks;
-- ``mgpu.py``: the same routing through jax's Mosaic GPU ``ragged_dot_mgpu`` (Hopper only, no
-  interpret mode);
+- ``mgpu.py``: the same routing through jax's Mosaic GPU ``ragged_dot_mgpu`` (a Hopper GPU, or
+  Mosaic GPU's interpret mode);
 - ``reference.py``: dense plain-JAX reference.
 
 The Triton kernels (``decode``, ``small_m``, ``grouped``) take ``interpret=`` and run on CPU in

@@ -9,18 +9,22 @@ rows (each output rounded to the weights' dtype, as ``lax.ragged_dot``). ``silu(
 the routing weight is one XLA fusion between them; the combine gathers each pair's row and sums
 a token's ``k`` rows in f32.
 
-Mosaic GPU has no interpret mode here: :func:`routed_experts_mgpu` raises ``ValueError`` unless
-the default backend is a compute capability 9.x GPU (the kernel issues ``wgmma``), so a CPU run
-never reaches it.
+Off interpret mode :func:`routed_experts_mgpu` raises ``ValueError`` unless the default
+backend is a compute capability 9.x GPU (the kernel issues ``wgmma``). With ``interpret=True``
+it runs on any backend in Mosaic GPU's interpret mode (``plgpu.force_gpu_interpret_mode``: the
+GPU's memory spaces, threads, TMA copies and ``wgmma`` simulated on the host), which is how the
+CPU tests check it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._wy import F32
 from pallas_kernels.moe._common import check_moe_inputs, combine, sort_pairs, swiglu
@@ -59,8 +63,9 @@ def mgpu_available() -> bool:
     return str(cc).startswith("9")
 
 
-def check_mgpu(x, weights, experts, gate, up, down, blocks: MgpuBlocks):
-    """``(M, k, E, H, I)``; ``ValueError`` for inputs or a machine the wrapper cannot take."""
+def check_mgpu(x, weights, experts, gate, up, down, blocks: MgpuBlocks, interpret=False):
+    """``(M, k, E, H, I)``; ``ValueError`` for inputs or a machine the wrapper cannot take
+    (any machine in interpret mode)."""
     m, k, e, h, i = check_moe_inputs(x, weights, experts, gate, up, down)
     if jnp.dtype(gate.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(
@@ -72,15 +77,15 @@ def check_mgpu(x, weights, experts, gate, up, down, blocks: MgpuBlocks):
                 f"{name}: ragged_dot_mgpu needs a multiple of block_k = {blocks.block_k} and "
                 f"block_n = {blocks.block_n}, got {size}"
             )
-    if not mgpu_available():
+    if not interpret and not mgpu_available():
         raise ValueError(
-            "impl: the Mosaic GPU grouped matmul needs a compute capability 9.x GPU (no "
-            f"interpret mode); the default backend is {jax.default_backend()}"
+            "impl: the Mosaic GPU grouped matmul needs a compute capability 9.x GPU (or "
+            f"interpret=True); the default backend is {jax.default_backend()}"
         )
     return m, k, e, h, i
 
 
-@functools.partial(jax.jit, static_argnames=("blocks",))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def routed_experts_mgpu(
     x: jax.Array,
     weights: jax.Array,
@@ -90,12 +95,14 @@ def routed_experts_mgpu(
     down: jax.Array,
     *,
     blocks: MgpuBlocks = DEFAULT_MGPU_BLOCKS,
+    interpret: bool = False,
 ) -> jax.Array:
     """``out [M, H]`` in the expert weights' dtype (module docstring); same arguments as
-    :func:`pallas_kernels.moe.routed_experts_grouped`, bf16 or f16 weights, Hopper GPU only."""
+    :func:`pallas_kernels.moe.routed_experts_grouped`, bf16 or f16 weights; a Hopper GPU, or any
+    backend with ``interpret=True``."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    m, k, e, h, i = check_mgpu(x, weights, experts, gate, up, down, blocks)
+    m, k, e, h, i = check_mgpu(x, weights, experts, gate, up, down, blocks, interpret)
     n = m * k
     rd = functools.partial(
         ragged_dot_mgpu.ragged_dot,
@@ -109,10 +116,11 @@ def routed_experts_mgpu(
     flat = experts.reshape(-1)
     valid = (flat >= 0) & (flat < e)
     xs = x[order // k].astype(gate.dtype)
-    g = rd(xs, gate, group_sizes=sizes)
-    u = rd(xs, up, group_sizes=sizes)
-    w = weights.reshape(-1)[order].astype(F32)
-    hs = (swiglu(g.astype(F32), u.astype(F32)) * w[:, None]).astype(gate.dtype)
-    y = rd(hs, down, group_sizes=sizes)
+    with plgpu.force_gpu_interpret_mode() if interpret else contextlib.nullcontext():
+        g = rd(xs, gate, group_sizes=sizes)
+        u = rd(xs, up, group_sizes=sizes)
+        w = weights.reshape(-1)[order].astype(F32)
+        hs = (swiglu(g.astype(F32), u.astype(F32)) * w[:, None]).astype(gate.dtype)
+        y = rd(hs, down, group_sizes=sizes)
     pos = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     return combine(y[pos], valid, m, k, gate.dtype)

@@ -398,15 +398,35 @@ def test_knob_checks(cls, kw, name):
 
 
 def test_mgpu_guarded_off_gpu():
-    """Mosaic GPU has no interpret mode: off a Hopper GPU the wrapper raises before tracing a
-    kernel."""
+    """Off a Hopper GPU and off interpret mode the wrapper raises before tracing a kernel."""
     assert not moe.mgpu_available()
     args = inputs("random", 2, 0, jnp.bfloat16)
     fits = moe.MgpuBlocks(block_m=16, block_n=16, block_k=16)
     with pytest.raises(ValueError, match="^impl: the Mosaic GPU grouped matmul needs"):
         moe.routed_experts_mgpu(*args, blocks=fits)
     with pytest.raises(ValueError, match="^gate: ragged_dot_mgpu takes bfloat16 or float16"):
-        moe.routed_experts_mgpu(*inputs("random", 2, 0))
+        moe.routed_experts_mgpu(*inputs("random", 2, 0), interpret=True)
+
+
+@pytest.mark.parametrize("kind, m", [("skewed", 5), ("empty", 3)])
+def test_mgpu_interpret_matches_reference(kind, m):
+    """jax's Mosaic GPU grouped matmul in Mosaic GPU's interpret mode (TMA copies and wgmma
+    simulated on the host), 64-wide tiles over two expert groups and an out-of-range id."""
+    rng = np.random.default_rng(7)
+    experts, weights = make_routing(kind, m, K, E, rng)
+    experts[0, 0] = E  # contributes nothing
+    args = (
+        jnp.asarray(rng.normal(size=(m, 128)), jnp.bfloat16),
+        jnp.asarray(weights, jnp.bfloat16),
+        jnp.asarray(experts),
+        *make_experts(rng, E, 128, 64, jnp.bfloat16),
+    )
+    blocks = moe.MgpuBlocks(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2)
+    out = moe.routed_experts_mgpu(*args, blocks=blocks, interpret=True)
+    chex.assert_shape(out, (m, 128))
+    chex.assert_type(out, jnp.bfloat16)
+    ref = routed_experts_reference(*args)
+    assert rel_err(out, ref) < 2e-2, rel_err(out, ref)
 
 
 # ------------------------------------------------------------------------- Triton lowering
