@@ -185,8 +185,8 @@ def write_json(path, doc) -> None:
 
 
 def add_decode_kernel_switches(ap) -> None:
-    """``--no-attention-prep`` and ``--step-norm``: the engine's decode-kernel switches
-    (:mod:`serving.kernels`) for A/B runs; :func:`apply_decode_kernel_switches` sets them."""
+    """``--no-attention-prep``, ``--step-norm`` and ``--moe-decode-mgpu``: the engine's
+    decode-kernel switches (:mod:`serving.kernels`, :mod:`gdn_jax.pallas_routes`) for A/B runs; :func:`apply_decode_kernel_switches` sets them."""
     ap.add_argument(
         "--no-attention-prep",
         action="store_true",
@@ -201,6 +201,12 @@ def add_decode_kernel_switches(ap) -> None:
         "(serving.kernels.DECODE_GATED_NORM = True; default: an XLA kernel after it, as the "
         "engine runs)",
     )
+    ap.add_argument(
+        "--moe-decode-mgpu",
+        action="store_true",
+        help="decode's routed experts by the Mosaic GPU kernel (gdn_jax.pallas_routes."
+        "MOE_DECODE_MGPU = True; default: the Triton kernel, as the engine runs)",
+    )
 
 
 def apply_decode_kernel_switches(args) -> None:
@@ -212,3 +218,7 @@ def apply_decode_kernel_switches(args) -> None:
         kernels.ATTENTION_DECODE_KERNEL = False
     if args.step_norm:
         kernels.DECODE_GATED_NORM = True
+    if args.moe_decode_mgpu:
+        from gdn_jax import pallas_routes
+
+        pallas_routes.MOE_DECODE_MGPU = True

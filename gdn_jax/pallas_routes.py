@@ -188,6 +188,11 @@ MOE_FEW_PAIRS = 8192
 MOE_DECODE = moe_kernels.DecodeBlocks(block_hs=128)
 MOE_DECODE_F32 = moe_kernels.DecodeBlocks(block_k=128)
 MOE_DECODE_MAX_TOKENS = 1
+# The decode route's Mosaic GPU kernel (pallas_kernels/moe/decode_mgpu.py: TMA ring, wgmma) in
+# place of the Triton one where it takes the call (2-byte weights); off until timed on the
+# H200 (benchmarks.model_step --moe-decode-mgpu, benchmarks.moe's decode_mgpu path).
+MOE_DECODE_MGPU = False
+MOE_DECODE_MGPU_BLOCKS = moe_kernels.DEFAULT_MGPU_DECODE_BLOCKS
 
 
 def _moe_decode_blocks(dtype) -> moe_kernels.DecodeBlocks:
@@ -196,12 +201,17 @@ def _moe_decode_blocks(dtype) -> moe_kernels.DecodeBlocks:
 
 def routed_experts(x, weights, experts, gate_proj, up_proj, down_proj, *, shared=None):
     """``out [M, H]`` of the routed experts (see :func:`gdn_jax.routed_experts`): the decode
-    kernel up to ``MOE_DECODE_MAX_TOKENS`` tokens, the small-M kernels when ``M * k <=
+    kernel up to ``MOE_DECODE_MAX_TOKENS`` tokens (its Mosaic GPU version with
+    ``MOE_DECODE_MGPU``), the small-M kernels when ``M * k <=
     MOE_SMALL_M.max_pairs``, else the grouped kernels; ``shared``'s term in the decode kernel,
     else one matmul after the others."""
     from gdn_jax.moe import shared_pair, shared_term
 
     args = (x, weights, experts, gate_proj, up_proj, down_proj)
+    if _moe_decode_mgpu(args, shared):
+        return moe_kernels.routed_experts_decode_mgpu(
+            *args, shared, blocks=MOE_DECODE_MGPU_BLOCKS, interpret=_interpret()
+        )
     if _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared):
         return moe_kernels.routed_experts_decode(
             *args, shared, blocks=_moe_decode_blocks(gate_proj.dtype), interpret=_interpret()
@@ -221,6 +231,18 @@ def _moe_decode(x, weights, experts, gate_proj, up_proj, down_proj, shared) -> b
         moe_kernels.check_decode(
             x, weights, experts, gate_proj, up_proj, down_proj, shared,
             _moe_decode_blocks(gate_proj.dtype),
+        )  # fmt: skip
+    except ValueError:
+        return False
+    return True
+
+
+def _moe_decode_mgpu(args, shared) -> bool:
+    if not MOE_DECODE_MGPU or args[0].shape[0] > MOE_DECODE_MAX_TOKENS:
+        return False
+    try:
+        moe_kernels.check_decode_mgpu(
+            *args, shared, MOE_DECODE_MGPU_BLOCKS, _interpret()
         )  # fmt: skip
     except ValueError:
         return False

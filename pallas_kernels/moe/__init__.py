@@ -10,6 +10,10 @@
   gate and up fused with SiLU and the routing weight, then the down projection;
 - ``grouped.py``: many tokens (prefill). Pairs sorted by expert into expert-aligned row blocks
   (XLA, on device), then the same two fused kernels as a grouped GEMM over the blocks;
+- ``decode_mgpu.py``: the decode kernel's contract as one Mosaic GPU kernel (TMA copies through
+  one shared-memory ring, ``wgmma`` with the weights as the 64-row operand); 2-byte weights, up
+  to 8 tokens; a Hopper GPU or Mosaic GPU's interpret mode; built, not yet timed, not routed by
+  default (``gdn_jax.pallas_routes.MOE_DECODE_MGPU``);
 - ``mgpu.py``: the same routing through jax's Mosaic GPU ``ragged_dot_mgpu`` (a Hopper GPU, or
   Mosaic GPU's interpret mode);
 - ``reference.py``: dense plain-JAX reference.
@@ -24,6 +28,12 @@ from pallas_kernels.moe.decode import (
     SharedGLU,
     check_decode,
     routed_experts_decode,
+)
+from pallas_kernels.moe.decode_mgpu import (
+    DEFAULT_MGPU_DECODE_BLOCKS,
+    MgpuDecodeBlocks,
+    check_decode_mgpu,
+    routed_experts_decode_mgpu,
 )
 from pallas_kernels.moe.grouped import (
     DEFAULT_GROUPED_BLOCKS,
@@ -61,5 +71,9 @@ __all__ = [
     "mgpu_available",
     "routed_experts_grouped",
     "routed_experts_mgpu",
+    "DEFAULT_MGPU_DECODE_BLOCKS",
+    "MgpuDecodeBlocks",
+    "check_decode_mgpu",
+    "routed_experts_decode_mgpu",
     "routed_experts_small_m",
 ]
