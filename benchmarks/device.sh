@@ -36,6 +36,11 @@
 #   moe_decode_shared   moe: the decode kernel at M 1 with the shared term, its rows per program
 #                       (block_hs) and stages; VARIANTS (more --decode-blocks specs, space
 #                       separated: e.g. "block_k=128,block_hs=128 num_warps=8")
+#   moe_decode_mgpu     moe: the decode kernel's Mosaic GPU version at M 1/2/4 against the
+#                       Triton one as the engine routes it, both with the shared term, kernel
+#                       time profiled; ring depths 12/6/5 and no deferred wait
+#   b1_profile_mgpu     model_step: decode at B 1 with the Mosaic GPU decode MoE kernel
+#                       (--moe-decode-mgpu), kernels profiled; b1_profile is the other half
 #   b1_profile          model_step: decode at B 1 and 16 only, every kernel profiled in launch
 #                       order (~220 s)
 #   model_step          model_step: the whole Qwen3.5-35B-A3B (40 layers, random bf16 weights):
@@ -187,6 +192,18 @@ step() {
       --decode-blocks block_hs=128,num_stages=2 \
       $(for v in ${VARIANTS:-}; do printf -- '--decode-blocks %s ' "$v"; done) \
       --json "$(json moe h200_decode_shared_blocks)"
+    ;;
+  moe_decode_mgpu)
+    TAILN=24 run 300 moe h200_decode_mgpu python3 -m benchmarks.moe --m 1,2,4 \
+      --paths decode,decode_mgpu --profile --sets 8 --reps 20 --shared-inter 512 \
+      --decode-blocks block_hs=128 --decode-mgpu-blocks "" --decode-mgpu-blocks stages=6 \
+      --decode-mgpu-blocks stages=5 --decode-mgpu-blocks defer_wait=False \
+      --json "$(json moe h200_decode_mgpu)"
+    ;;
+  b1_profile_mgpu)
+    TAILN=8 run 300 model_step h200_b1_profile_mgpu python3 -m benchmarks.model_step \
+      --kernels auto --batch 1 --tree-sizes "" --prefill-prompts 0 --reps 10 --profile \
+      --profile-top 40 --moe-decode-mgpu --json "$(json model_step h200_b1_profile_mgpu)"
     ;;
   b1_profile)
     TAILN=8 run 300 model_step h200_b1_profile python3 -m benchmarks.model_step --kernels auto \

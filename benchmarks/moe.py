@@ -27,13 +27,15 @@ the start of the run. Error: per path, the relative error against the XLA path o
 (``rel_err``: whole output; ``row_rel_err``: the worst token row).
 
 ``--shared-inter I_s`` adds a shared expert's down projection to every op, as the model's fused
-MoE block passes it (``routed_experts(shared=)``): inside the decode kernel's launch, one matmul
+MoE block passes it (``routed_experts(shared=)``): inside the decode kernels' launch, one matmul
 after the other paths; its weight (``[H, I_s]``, one per weight copy) and activations count in
 the floor.
 
-Variants: ``--decode-blocks``, ``--small-blocks``, ``--grouped-blocks``, ``--mgpu-blocks``
-(repeatable ``field=value,...`` specs of ``DecodeBlocks``, ``SmallMBlocks``, ``GroupedBlocks``,
-``MgpuBlocks``). A failing
+Variants: ``--decode-blocks``, ``--decode-mgpu-blocks``, ``--small-blocks``,
+``--grouped-blocks``, ``--mgpu-blocks`` (repeatable ``field=value,...`` specs of
+``DecodeBlocks``, ``MgpuDecodeBlocks``, ``SmallMBlocks``, ``GroupedBlocks``, ``MgpuBlocks``).
+``decode_mgpu`` is the decode kernel's Mosaic GPU version (2-byte weights, up to 8 tokens, ``I``
+a multiple of 64 and ``H`` of 128). A failing
 path is recorded in its row (``error``) and the run goes on.
 
     python -m benchmarks.moe --json moe.json                      # the H200 run
@@ -62,7 +64,7 @@ from benchmarks.kernel_profile import profile as profile_kernels  # noqa: E402
 from benchmarks.timing import measure_bandwidth, measure_matmul  # noqa: E402
 from gdn_jax.moe import routed_experts, shared_term  # noqa: E402
 
-PATHS = ("xla", "mgpu", "decode", "small_m", "grouped")
+PATHS = ("xla", "mgpu", "decode", "decode_mgpu", "small_m", "grouped")
 DRY = dict(m=[1, 4], experts=8, top_k=2, hidden=32, inter=16, reps=2, sets=2)
 
 
@@ -101,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--small-blocks", action="append", default=[], help="SmallMBlocks spec")
     p.add_argument("--grouped-blocks", action="append", default=[], help="GroupedBlocks spec")
     p.add_argument("--mgpu-blocks", action="append", default=[], help="MgpuBlocks spec")
+    p.add_argument(
+        "--decode-mgpu-blocks", action="append", default=[], help="MgpuDecodeBlocks spec"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--profile",
@@ -117,9 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--weight-copies: at least 0 (0: one per input set)")
     if args.shared_inter < 0:
         p.error("--shared-inter: at least 0 (0: no shared expert)")
-    if args.dry_run:
+    if args.dry_run:  # tiny shapes, but the ones given on the command line kept
         for key, val in DRY.items():
-            setattr(args, key, val)
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, val)
     args.paths = [x for x in args.paths.split(",") if x]
     bad = sorted(set(args.paths) - set(PATHS))
     if bad:
@@ -197,8 +203,8 @@ def input_sets(args, m: int, dtype) -> list[tuple]:
 
 def with_shared(path: str, fn):
     """``fn`` taking a set's ``(x, w, e, h_s, gate, up, down, w_s)`` (``--shared-inter``): the
-    decode kernel runs the shared term in its launch, the other paths add it after."""
-    if path == "decode":
+    decode kernels run the shared term in their launch, the other paths add it after."""
+    if path in ("decode", "decode_mgpu"):
 
         def wrapped(x, w, e, h_s, g, u, d, w_s):
             return fn(x, w, e, g, u, d, (h_s, w_s))
@@ -234,6 +240,12 @@ def _variants(args, interpret: bool) -> list[tuple[str, str, object]]:
             for bl in parse_blocks(args.decode_blocks, moe.DecodeBlocks):
                 fn = functools.partial(moe.routed_experts_decode, blocks=bl, interpret=interpret)
                 out.append(("decode", label(bl), fn))
+        elif path == "decode_mgpu":
+            for bl in parse_blocks(args.decode_mgpu_blocks, moe.MgpuDecodeBlocks):
+                fn = functools.partial(
+                    moe.routed_experts_decode_mgpu, blocks=bl, interpret=interpret
+                )
+                out.append(("decode_mgpu", label(bl), fn))
         elif path == "small_m":
             for bl in parse_blocks(args.small_blocks, moe.SmallMBlocks):
                 fn = functools.partial(moe.routed_experts_small_m, blocks=bl, interpret=interpret)
@@ -265,6 +277,18 @@ def skip_reason(path: str, fn, m: int, args) -> str:
         return "needs a Hopper GPU (the benchmark times no interpret mode)"
     if path in ("decode", "small_m") and m * args.top_k > fn.keywords["blocks"].max_pairs:
         return f"M * k > max_pairs = {fn.keywords['blocks'].max_pairs}"
+    if path == "decode_mgpu":
+        kw = fn.keywords
+        dt = jnp.dtype(args.dtype)
+        x = jax.ShapeDtypeStruct((m, args.hidden), dt)
+        w = jax.ShapeDtypeStruct((m, args.top_k), dt)
+        e = jax.ShapeDtypeStruct((m, args.top_k), jnp.int32)
+        gate = jax.ShapeDtypeStruct((args.experts, args.hidden, args.inter), dt)
+        down = jax.ShapeDtypeStruct((args.experts, args.inter, args.hidden), dt)
+        try:
+            moe.check_decode_mgpu(x, w, e, gate, gate, down, None, kw["blocks"], kw["interpret"])
+        except ValueError as err:
+            return str(err).split(": ", 1)[1]
     return ""
 
 

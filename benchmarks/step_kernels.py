@@ -85,13 +85,14 @@ H200_SHARED_MEMORY = 232448  # bytes of shared memory a block may opt in to on t
 @contextlib.contextmanager
 def _as_gpu():
     """The model's ``impl="auto"`` routes and the Pallas routes as on a GPU (no interpret mode),
-    the Pallas lowering for an H200."""
+    the Pallas lowering for an H200 (a Hopper GPU for the Mosaic GPU kernels)."""
     from benchmarks.compile_report import _force_h200
 
     _force_h200()
     with (
         mock.patch("gdn_jax.dispatch.jax.default_backend", return_value="gpu"),
         mock.patch("gdn_jax.pallas_routes._interpret", return_value=False),
+        mock.patch("pallas_kernels.moe.decode_mgpu.mgpu_available", return_value=True),
     ):
         yield
 

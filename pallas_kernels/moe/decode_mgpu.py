@@ -20,17 +20,19 @@ both stages, so the down tiles arrive behind the gate/up tiles without the pipel
 * ``h = w silu(g) u`` in f32, the pair's token column kept, rounded to the weights' dtype (as
   the Triton kernel does) and stored transposed as the next product's ``[8, 64]`` operand;
 * stage 2: ``y^T [64, 8] = down_tile^T h^T`` per pair of down tiles; the token's column is
-  reduced out into an f32 row of ``H`` in shared memory, stored by one TMA as row ``q`` of the
-  kernel's ``[n T, H]`` output.
+  reduced out into an f32 row of ``H`` in shared memory, stored by one TMA as the pair's row of
+  the kernel's output ``y [M, k T (+ 1), H]`` (a token's rows together).
 
 ``shared = (h_s [M, I_s], w_s [H, I_s])`` or a :class:`~pallas_kernels.moe.decode.SharedGLU`
 (the shared expert's down projection) adds ``H / 64`` programs, each computing 64 rows of ``H``
-of every token's term, ``w_s_tile [64, 64] h_s_tile^T`` over ``I_s`` (the activation of a
-``SharedGLU`` formed by XLA before the kernel, with the padding of ``x``). At one token the 64
-routed and 32 shared programs of Qwen3.5-35B-A3B's MoE are one wave on the H200's 132 SMs.
+of every token's term, ``w_s_tile [64, 64] h_s_tile^T`` over ``I_s``, into the token's last row
+of ``y``. At one token the 64 routed and 32 shared programs of Qwen3.5-35B-A3B's MoE are one
+wave on the H200's 132 SMs.
 
-XLA sums each token's ``k T`` rows (and its shared term) in a fixed order: no atomics,
-deterministic. Pairs with ids outside ``[0, E)`` issue no loads and their rows are zeroed.
+Around the kernel XLA runs two fusions: before it, the tokens' product operands (``x`` and
+``h_s`` zero-padded to 8 rows in 64-column tiles; a ``SharedGLU``'s activation formed there in
+f32 and rounded once); after it, each token's rows summed in a fixed order and cast (no atomics,
+deterministic). Pairs with ids outside ``[0, E)`` issue no loads and store a zero row.
 
 Off a compute capability 9.x GPU the kernel runs only in Mosaic GPU's interpret mode
 (``interpret=True``), which simulates the TMA copies, barriers and products on the host but
@@ -144,15 +146,16 @@ def _glu(shared: SharedGLU) -> jax.Array:
     return swiglu(g, u) / (1.0 + jnp.exp(-z))
 
 
-def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype):
+def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype, m):
     """Program ``q``: pair ``q // tiles``'s expert over column tile ``q mod tiles`` of ``I``,
     or for ``q >= n tiles`` rows ``64 (q - n tiles) ..`` of ``H`` of the shared term."""
     b = TILE
     shared = shared_steps > 0
     if shared:
-        ids_ref, w_ref, x_ref, g_ref, u_ref, d_ref, hs_ref, ws_ref, y_ref, ys_ref = refs
+        ids_ref, w_ref, x_ref, g_ref, u_ref, d_ref, ws_ref, y_ref = refs
     else:
         ids_ref, w_ref, x_ref, g_ref, u_ref, d_ref, y_ref = refs
+    per_token = k * tiles + int(shared)  # a token's rows of y: its pairs', its shared term's
     steps = h // b  # stage-1 loads: a gate, an up and an x tile
     loads = steps + h // (2 * b)  # then stage-2 loads: two down tiles
     q = lax.axis_index("q")
@@ -172,12 +175,13 @@ def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype):
     t = q - pair * tiles
     tok = pair // k
     ex = ids_ref[pair]
-    ok = (q < routed) & (ex >= 0) & (ex < e)
+    ok = (ex >= 0) & (ex < e)
     cols = pl.ds(t * b, b)
+    row = tok * per_token + (pair - tok * k) * tiles + t  # this program's row of y
 
     def routed_program(buf, x_s, bar_a, bar_b, bar_x, h_s, o_s):
         ec = jnp.clip(ex, 0, e - 1)
-        wt = w_ref[pair]
+        wt = w_ref[pair].astype(F32)
         g_src, u_src, d_src = g_ref.at[ec], u_ref.at[ec], d_ref.at[ec]
 
         def load(g, slot):
@@ -228,7 +232,7 @@ def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype):
             return acc_g[...], acc_u[...]
 
         gv, uv = pl.run_scoped(gate_up, acc_type, acc_type)
-        act = swiglu(gv, uv) * wt.astype(F32)  # [64, 8]
+        act = swiglu(gv, uv) * wt  # [64, 8]
         h_s.T[...] = jnp.where(col == tok, act, 0.0).astype(dtype)  # h_s [8, 64]
         plgpu.commit_smem()
 
@@ -251,10 +255,10 @@ def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype):
 
         lax.fori_loop(steps, loads, down, 0)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, y_ref.at[q])
+        plgpu.copy_smem_to_gmem(o_s, y_ref.at[row])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(ok)
+    @pl.when((q < routed) & ok)
     def _():
         pl.run_scoped(
             routed_program,
@@ -263,11 +267,22 @@ def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype):
             plgpu.SMEM((h,), F32),
         )
 
+    def zero_row(o_s):
+        o_s[...] = jnp.zeros((h,), F32)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, y_ref.at[row])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when((q < routed) & ~ok)  # an id outside [0, E): a zero row, no loads
+    def _():
+        pl.run_scoped(zero_row, plgpu.SMEM((h,), F32))
+
     if not shared:
         return
 
     def shared_program(buf, hs_s, bar_a, _bar_b, bar_x, o_s):
-        rows = pl.ds((q - routed) * b, b)
+        j = q - routed
+        rows = pl.ds(j * b, b)
         ms = min(ns, shared_steps)
 
         def load(s, slot):
@@ -275,7 +290,7 @@ def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype):
             def _():
                 src = ws_ref.at[rows, pl.ds(s * b, b)]
                 plgpu.copy_gmem_to_smem(src, buf.at[slot, 0], bar_a.at[slot])
-                plgpu.copy_gmem_to_smem(hs_ref.at[s], hs_s.at[slot], bar_x.at[slot])
+                plgpu.copy_gmem_to_smem(x_ref.at[steps + s], hs_s.at[slot], bar_x.at[slot])
 
         for s in range(ms):
             load(jnp.int32(s), s)
@@ -294,10 +309,11 @@ def _kernel(*refs, n, k, e, tiles, h, ns, defer_wait, shared_steps, dtype):
             return acc[...]
 
         ys = pl.run_scoped(products, acc_type)  # [64 rows of H, 8 tokens]
-        for c in range(TOKENS):
+        for c in range(m):  # token c's term: 64 columns of its last row of y
             o_s[c, :] = jnp.sum(jnp.where(col == c, ys, 0.0), axis=1)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, ys_ref.at[q - routed])
+        for c in range(m):
+            plgpu.copy_smem_to_gmem(o_s.at[c], y_ref.at[(c + 1) * per_token - 1, rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(q >= routed)
@@ -328,15 +344,15 @@ def routed_experts_decode_mgpu(
     dtype, n, tiles = gate.dtype, m * k, i // TILE
     ns = min(blocks.stages, h // TILE + h // (2 * TILE))
     ids = experts.reshape(-1).astype(jnp.int32)
-    args = [ids, weights.reshape(-1).astype(F32), _tiles(x, dtype), gate, up, down]
-    out_type = [jax.ShapeDtypeStruct((n * tiles, h), F32)]
-    shared_steps = 0
+    # the product operands of the tokens (x, then the shared expert's h_s): one XLA fusion
+    tokens, extra, shared_steps = [x], [], 0
     if shared is not None:
         w_s = shared_weight(shared)
-        h_s = _glu(shared) if isinstance(shared, SharedGLU) else shared[0]
-        shared_steps = w_s.shape[1] // TILE
-        args += [_tiles(h_s, dtype), w_s]
-        out_type.append(jax.ShapeDtypeStruct((h // TILE, TOKENS, TILE), F32))
+        tokens.append(_glu(shared) if isinstance(shared, SharedGLU) else shared[0])
+        extra, shared_steps = [w_s], w_s.shape[1] // TILE
+    operands = jnp.concatenate([_tiles(a, dtype) for a in tokens])
+    args = [ids, weights.reshape(-1), operands, gate, up, down, *extra]
+    per_token = k * tiles + int(shared is not None)
     kernel = functools.partial(
         _kernel,
         n=n,
@@ -348,17 +364,13 @@ def routed_experts_decode_mgpu(
         defer_wait=blocks.defer_wait and ns >= 2,  # a deferred refill needs a second slot
         shared_steps=shared_steps,
         dtype=dtype,
+        m=m,
     )
-    outs = plgpu.kernel(
+    y = plgpu.kernel(
         kernel,
-        out_type=tuple(out_type),
+        out_type=jax.ShapeDtypeStruct((m * per_token, h), F32),
         grid=(n * tiles + (h // TILE if shared is not None else 0),),
         grid_names=("q",),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )(*args)
-    ok = (ids >= 0) & (ids < e)
-    y = jnp.where(jnp.repeat(ok, tiles)[:, None], outs[0], 0.0)
-    out = y.reshape(m, k * tiles, h).sum(axis=1)
-    if shared is not None:  # [H / 64, 8, 64] -> the tokens' [M, H]
-        out = out + outs[1].transpose(1, 0, 2).reshape(TOKENS, h)[:m]
-    return out.astype(dtype)
+    return y.reshape(m, per_token, h).sum(axis=1).astype(dtype)

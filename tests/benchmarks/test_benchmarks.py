@@ -247,3 +247,22 @@ def test_moe_dry_run_with_a_shared_expert(tmp_path):
         assert r["bytes"] == plain[r["m"], r["path"]]["bytes"] + (32 + r["m"]) * 16 * 2
         if r["path"] == "decode":
             assert r["rel_err"] < 2e-2, r
+
+
+def test_moe_dry_run_of_the_mosaic_gpu_decode_kernel(tmp_path):
+    """``--paths decode_mgpu``: Mosaic GPU's interpret mode at shapes it takes (H 128, I 64,
+    the shared term in its launch) near the XLA path; at the default dry-run shapes a row saying
+    why it cannot run."""
+    from benchmarks import moe
+
+    out = tmp_path / "moe.json"
+    args = ["--dry-run", "--paths", "xla,decode_mgpu", "--hidden", "128", "--inter", "64"]
+    moe.main([*args, "--m", "1,2", "--shared-inter", "64", "--json", str(out)])
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["path"] == "decode_mgpu"]
+    assert [r["m"] for r in rows] == [1, 2]
+    for r in rows:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["rel_err"] < 2e-2, r
+    moe.main(["--dry-run", "--paths", "decode_mgpu", "--m", "1", "--json", str(out)])
+    [row] = json.loads(out.read_text())["rows"]
+    assert "multiple of 64" in row["skipped"], row
