@@ -92,7 +92,7 @@ def _as_gpu():
     with (
         mock.patch("gdn_jax.dispatch.jax.default_backend", return_value="gpu"),
         mock.patch("gdn_jax.pallas_routes._interpret", return_value=False),
-        mock.patch("pallas_kernels.moe.decode_mgpu.mgpu_available", return_value=True),
+        mock.patch("pallas_kernels.moe.mgpu.mgpu_available", return_value=True),
     ):
         yield
 

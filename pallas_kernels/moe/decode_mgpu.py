@@ -53,9 +53,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._wy import F32
+from pallas_kernels.moe import mgpu
 from pallas_kernels.moe._common import check_moe_inputs, swiglu
 from pallas_kernels.moe.decode import SharedGLU, check_shared, shared_weight
-from pallas_kernels.moe.mgpu import mgpu_available
 
 TILE = 64  # the product's A rows, and one 128-byte swizzle span of 2-byte elements
 TOKENS = 8  # the product's N: tokens padded to 8 columns
@@ -113,11 +113,7 @@ def check_decode_mgpu(
                 f"shared: w_s must have gate's dtype {gate.dtype} and I_s a multiple of {TILE}, "
                 f"got {w_s.dtype} [{w_s.shape[0]}, {w_s.shape[1]}]"
             )
-    if not interpret and not mgpu_available():
-        raise ValueError(
-            "impl: the Mosaic GPU decode kernel needs a compute capability 9.x GPU (or "
-            f"interpret=True); the default backend is {jax.default_backend()}"
-        )
+    mgpu.check_hopper("the Mosaic GPU decode kernel", interpret)
     return m, k, e, h, i
 
 

@@ -77,12 +77,17 @@ def check_mgpu(x, weights, experts, gate, up, down, blocks: MgpuBlocks, interpre
                 f"{name}: ragged_dot_mgpu needs a multiple of block_k = {blocks.block_k} and "
                 f"block_n = {blocks.block_n}, got {size}"
             )
+    check_hopper("the Mosaic GPU grouped matmul", interpret)
+    return m, k, e, h, i
+
+
+def check_hopper(what: str, interpret: bool) -> None:
+    """``ValueError`` naming ``impl`` unless ``interpret`` or a Hopper GPU can run ``what``."""
     if not interpret and not mgpu_available():
         raise ValueError(
-            "impl: the Mosaic GPU grouped matmul needs a compute capability 9.x GPU (or "
-            f"interpret=True); the default backend is {jax.default_backend()}"
+            f"impl: {what} needs a compute capability 9.x GPU (or interpret=True); the "
+            f"default backend is {jax.default_backend()}"
         )
-    return m, k, e, h, i
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
