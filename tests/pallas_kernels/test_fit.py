@@ -102,13 +102,17 @@ def test_each_build_compiles_once(fake_gpu):
     assert len(fake_gpu) == 3
 
 
-def test_other_compile_errors_pass_through(fake_gpu, monkeypatch):
-    def fail(lowered):
+def test_other_failures_of_the_check_pass(fake_gpu, monkeypatch):
+    """A compile or lowering that fails for another reason leaves it to the program's own
+    compile (no error from the check)."""
+
+    def fail(*a):
         raise RuntimeError("INTERNAL: something else")
 
     monkeypatch.setattr(fit, "_compile", fail)
-    with pytest.raises(RuntimeError, match="something else"):
-        fit.check_fits(_Call("k"), (jnp.ones(3),), name="k", knobs=None)
+    fit.check_fits(_Call("k"), (jnp.ones(3),), name="k", knobs=None)
+    monkeypatch.setattr(fit, "_lower", fail)
+    fit.check_fits(_Call("j"), (jnp.ones(3),), name="j", knobs=None)
 
 
 def _moe_args(m=1, e=4, h=32, i=16, k=2, dtype=jnp.float32):
