@@ -65,9 +65,9 @@ from pallas_kernels.verify.kernel import (
     BF16,
     MAX_NODES,
     ONE_PASS,
-    _inverse_doubling,
     _one_pass,
     _rows_scale,
+    inverse_by_depth,
     tree_input,
 )
 
@@ -126,16 +126,6 @@ class SplitMatrices(NamedTuple):
     cq: jax.Array
 
 
-def _doublings(incl: jax.Array) -> jax.Array:
-    """Doublings the approximate inverse needs: ``2^J >= depth`` (``A^depth = 0``)."""
-    n = incl.shape[0]
-    depth = jnp.max(jnp.sum(jnp.where(incl, 1, 0), axis=1))
-    factors = jnp.int32(0)
-    for j in range(max(n - 1, 1).bit_length()):
-        factors = factors + (depth > (1 << j)).astype(jnp.int32)
-    return jnp.maximum(factors - 1, 0)
-
-
 def _is_low(qr, kr) -> bool:
     return qr.dtype == BF16 and kr.dtype == BF16
 
@@ -187,7 +177,8 @@ def _matrices_kernel(
     a_inv = a
     if interpret and blocks.inverse_precision == "bf16":
         a_inv = a.astype(BF16).astype(F32)  # GPU-like T0 error on CPU (module docstring)
-    t0 = _inverse_doubling(a_inv, _doublings(incl), inv_p)
+    depth = jnp.max(jnp.sum(jnp.where(incl, 1, 0), axis=1))
+    t0 = inverse_by_depth(a_inv, depth, inv_p)
     m = t0 * beta[None, :]
     diag_beta = jnp.where(row == col, beta[None, :], 0.0)
     for _ in range(blocks.refine_steps):

@@ -17,7 +17,10 @@ map. How the dots are spent (``VerifyBlocks.mode``):
   ``K S0`` and ``Q S0`` split only the f32 state into two bf16 halves (2 passes, ~2^-16
   relative). The inverse ``T0 ~ (I + A)^-1`` is built by product doubling in single-pass bf16
   (``inverse_precision``; tf32 optional) with only as many doublings as the tree is deep
-  (``2^J >= depth``: ``A^depth = 0``), and ``U`` is then corrected by iterative refinement,
+  (``2^J >= depth``: ``A^depth = 0``); trees deeper than :data:`DOUBLING_MAX_DEPTH` invert the
+  diagonal blocks of :data:`INVERSE_BLOCK` nodes so and the rest by block substitution
+  (:func:`inverse_by_depth`: whole-tree doubling of a deep path of alike keys loses ``T0`` in
+  bf16). ``U`` is then corrected by iterative refinement,
   ``U <- U + T0 (rhs - (I + A) U)`` (``refine_steps``, default 2), whose residual dot runs at
   ``precision`` (bf16x3/tf32x3): each step multiplies the error by ``|I - T0 (I + A)|``
   (~4e-3 for a bf16 ``T0``, ~5e-4 for tf32). ``((Q K^T) * D) U`` runs at ``precision`` too
@@ -75,8 +78,8 @@ class VerifyBlocks:
     dots of the approximate inverse (``"tf32"`` or ``"bf16"``); ``refine_steps``: refinement
     steps of ``U``; ``output_precision``: the ``((Q K^T) * D) U`` dot (``"tf32"``: one pass,
     ~1e-3 relative error in O; ``"x3"`` (default): at ``precision``; ``"auto"``: ``"tf32"`` for 2-byte
-    outputs, ``"x3"`` for f32); ``depth_loop``: as many doublings as the tree is deep (else
-    ``log2 N``); ``ancestors_input``: the wrapper computes ``P`` with XLA and the kernel
+    outputs, ``"x3"`` for f32); ``depth_loop``: the inverse's work sized by the tree's depth
+    (else by ``N``, as for a chain of ``N`` nodes); ``ancestors_input``: the wrapper computes ``P`` with XLA and the kernel
     loads it (else the kernel squares ``I + onehot(parent)`` itself); ``stop_after``:
     **diagnostics only** (``benchmarks/kernels.py --breakdown``): end the kernel after one of
     :data:`STAGES` and store what exists then (the outputs are not the verify's), so the
@@ -202,6 +205,48 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
     return reach
 
 
+# Trees deeper than this invert (I + A) by blocks (_inverse_blocks): the product doubling's
+# intermediate powers A^(2^j) grow like binomial coefficients of the depth when keys along a
+# path are alike and decay is slow, and one-pass bf16 products then lose T0 entirely (a 64-node
+# chain of near-equal keys at g ~ -0.01: U off by 1e2 after refinement; at depth <= 16 the same
+# inputs stay within 2e-6). Block substitution only multiplies bounded pieces of the inverse.
+DOUBLING_MAX_DEPTH = 16
+INVERSE_BLOCK = 8
+
+
+def _doublings(depth, limit: int):
+    """Product-doubling steps after ``I - A`` that cover paths of ``depth`` nodes (``2^(s+1) >=
+    depth``), for ``depth <= limit``."""
+    factors = jnp.int32(0)
+    for j in range(max(limit - 1, 1).bit_length()):
+        factors = factors + (depth > (1 << j)).astype(jnp.int32)
+    return jnp.maximum(factors - 1, 0)
+
+
+def inverse_by_depth(a, depth, precision):
+    """``T0 ~ (I + A)^-1`` for strictly lower ``A [n, n]`` whose longest path has ``depth``
+    nodes: product doubling up to :data:`DOUBLING_MAX_DEPTH`; deeper, the diagonal blocks of
+    :data:`INVERSE_BLOCK` nodes by doubling (``T_D``) and the rest by block substitution,
+    ``T = T_D - T_D L T`` iterated once per block a path can cross (``L``: ``A`` off the
+    diagonal blocks). Either way the dots run at ``precision``."""
+    n = a.shape[0]
+    deep = depth > DOUBLING_MAX_DEPTH
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    shift = (INVERSE_BLOCK - 1).bit_length()
+    same = ((row >> shift) == (col >> shift)) | ~deep  # shallow: one block, all of A
+    deep_i = deep.astype(jnp.int32)  # (a where over constants lowers to i1 in Triton)
+    block_depth = jnp.minimum(depth, n - (n - min(INVERSE_BLOCK, n)) * deep_i)
+    td = _inverse_doubling(jnp.where(same, a, 0.0), _doublings(block_depth, n), precision)
+    off = jnp.where(same, 0.0, a)
+    levels = jnp.minimum(depth - 1, max(n // INVERSE_BLOCK - 1, 0)) * deep_i
+
+    def substitute(_, t):
+        return td - dot(td, dot(off, t, precision), precision)
+
+    return jax.lax.fori_loop(0, levels, substitute, td)
+
+
 def _inverse_doubling(a, iters, precision):
     """``T ~ (I + A)^-1 = (I - A)(I + A^2)...(I + A^(2^iters))`` for strictly lower ``A``."""
     n = a.shape[0]
@@ -313,16 +358,9 @@ def refine_kernel(
     if stop == "matrix":
         return cut(qs, rhs + jnp.sum(a, axis=1)[:, None], g_path)
 
-    if blocks.depth_loop:
-        # Nodes on the longest root path; (I + A)^-1 = sum_{m < depth} (-A)^m.
-        depth = jnp.max(jnp.sum(jnp.where(incl, 1, 0), axis=1))
-        factors = jnp.int32(0)
-        for j in range(max(n - 1, 1).bit_length()):
-            factors = factors + (depth > (1 << j)).astype(jnp.int32)
-        iters = jnp.maximum(factors - 1, 0)
-    else:
-        iters = max(n - 1, 1).bit_length() - 1
-    t0 = _inverse_doubling(a, iters, inv_p)
+    # nodes on the longest root path; (I + A)^-1 = sum_{m < depth} (-A)^m
+    depth = jnp.max(jnp.sum(jnp.where(incl, 1, 0), axis=1))
+    t0 = inverse_by_depth(a, depth if blocks.depth_loop else jnp.int32(n), inv_p)
     u = dot(t0, rhs, inv_p)
     if stop == "inverse":
         return cut(qs, u, g_path)

@@ -104,6 +104,44 @@ def test_depth_loop_deep_chain():
     check_verify(parents, 1, 1, 16, 16, np.float32, True, decay="mixed", seed=11)
 
 
+@pytest.fixture
+def gpu_one_pass(monkeypatch):
+    """The verify kernel's one-pass dots (its approximate inverse) as the GPU runs them: operands
+    rounded to bf16, f32 accumulation (interpret mode otherwise runs them as plain f32 dots,
+    which hides how far a bf16 inverse can drift)."""
+    from pallas_kernels.verify import kernel as vk
+
+    real_dot = vk.dot
+
+    def dot(a, b, precision, **kw):
+        if precision == "gpu-one-pass":
+            return real_dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None, **kw)
+        return real_dot(a, b, precision, **kw)
+
+    monkeypatch.setattr(vk, "dot", dot)
+    monkeypatch.setattr(vk, "_one_pass", lambda name, interpret: "gpu-one-pass")
+
+
+@pytest.mark.parametrize("n", [24, 64])
+def test_deep_chains_of_alike_keys_with_the_gpu_one_pass_inverse(gpu_one_pass, n):
+    """Chains deeper than DOUBLING_MAX_DEPTH whose keys are nearly equal, with slow decay and
+    large beta: the Neumann terms of (I + A)^-1 grow like binomial coefficients, so a bf16
+    product doubling over the whole chain loses T0 (U off by up to 1e2 at N 64, 4e-4 at 24);
+    the block inverse keeps U within the exact verify's error."""
+    from pallas_kernels.verify import kernel as vk
+
+    parents = (np.arange(n, dtype=np.int32) - 1)[None]
+    rng = np.random.default_rng(1)
+    q, k, v, g, beta, s0 = tree_inputs(parents, 1, 1, 64, 64, jnp.bfloat16, 0, "mild")
+    base = rng.normal(size=64)
+    k = jnp.asarray(base + 0.03 * rng.normal(size=k.shape), jnp.bfloat16)  # cosine ~ 0.9996
+    args = (q, k, v, 0.01 * g, jnp.minimum(2 * beta, 1.0), jnp.asarray(parents), s0)
+    _, u_ref, _ = tree_verify_reference(*args, use_qk_l2norm=True)
+    blocks = pk.VerifyBlocks(precision="bf16x3")
+    _, u, _ = pk.tree_verify(*args, use_qk_l2norm=True, blocks=blocks, interpret=True)
+    assert n > vk.DOUBLING_MAX_DEPTH and rel_err(u, u_ref) < 2e-5, rel_err(u, u_ref)
+
+
 @pytest.mark.parametrize(
     "bad",
     [
