@@ -16,6 +16,8 @@
 #   verify_grid_n128    kernels: the same at N = 128, no chains (an N = 128 kernel compiles ~30 s)
 #   verify_variants     kernels: VerifyBlocks variants at B 16 / Hv 32 and B 1 / Hv 64, N 64
 #   verify_split        kernels: the two-kernel verify against the fused one
+#   verify_mgpu         kernels: the Mosaic GPU verify (two builds) against the Triton one, trees
+#                       and chains, N 64 (and 32), B 1/16/64, Hv 32/64
 #   verify_b1_repeats   kernels: one B = 1 config timed five times (its spread between runs)
 #   commit              kernels: tree commit, two CommitBlocks variants, against XLA
 #   arena               kernels: verify and commit on states in the arena against dense states
@@ -140,6 +142,12 @@ step() {
       --no-snapshot --no-xla --verify-blocks $VERIFY --verify-split $VERIFY \
       --verify-split $VERIFY,block_v=128,num_warps_b=8 --verify-split $VERIFY,num_warps_a=8 \
       --configs "32:16:64;64:1:64;32:64:64;64:16:64" --json "$(json kernels verify_split)"
+    ;;
+  verify_mgpu)
+    TAILN=30 run 560 kernels verify_mgpu "${KERNELS_PY[@]}" --ops verify --reps 5 --chains \
+      --verify-blocks $VERIFY --verify-mgpu "" --verify-mgpu "lhs_in_smem=false,acc_init=true" \
+      --no-snapshot --configs "32:1:64;64:1:64;32:16:64;64:16:64;32:64:64;32:16:32" \
+      --json "$(json kernels verify_mgpu)"
     ;;
   verify_b1_repeats)
     TAILN=12 run 150 kernels verify_b1_repeats "${KERNELS_PY[@]}" --ops verify --reps 10 \

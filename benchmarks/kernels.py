@@ -5,7 +5,8 @@ Ops (``--ops``, a comma list):
 - ``verify``: tree WY verify (``pallas_kernels.verify``; variants by ``--verify-blocks``, on
   random trees and with ``--chains`` on chains) against the XLA path, the fused Pallas
   snapshot verify and the floor; ``--verify-split`` adds the two-kernel verify
-  (``pallas_kernels.experimental.verify_split``), ``--breakdown`` the kernel cut after each
+  (``pallas_kernels.experimental.verify_split``), ``--verify-mgpu`` the Mosaic GPU verify
+  (``pallas_kernels.verify.mgpu``), ``--breakdown`` the kernel cut after each
   stage (``VerifyBlocks.stop_after``). Also the speculative bytes per draft node, WY against
   snapshot.
 - ``commit``: tree commit in place (``pallas_kernels.commit``; ``--commit-blocks``) against XLA.
@@ -66,6 +67,7 @@ from pallas_kernels.commit import arena as commit_arena  # noqa: E402
 from pallas_kernels.experimental import verify_split as split  # noqa: E402
 from pallas_kernels.verify import arena as verify_arena  # noqa: E402
 from pallas_kernels.verify import kernel as verify_kernel  # noqa: E402
+from pallas_kernels.verify import mgpu as verify_mgpu  # noqa: E402
 
 K = V = 128
 HK = 16
@@ -273,25 +275,39 @@ def check_verify(b, n, hv, op, snapshot: bool = False) -> float:
     return max(errs)
 
 
-def bench_verify_split(args, row, sets, csets):
-    """``--verify-split``: the two-kernel verify on the same input sets as the fused one."""
+def mgpu_verify(*a, bl):
+    """The Mosaic GPU verify of one input set, with its ancestor mask."""
+    return verify_mgpu.tree_verify_mgpu(*a[:7], use_qk_l2norm=True, blocks=bl, ancestors=a[7])
+
+
+# the other verify builds timed on the fused kernel's input sets: option, knobs, op
+OTHER_VERIFY = {
+    "split": ("verify_split", split.SplitVerifyBlocks, split_verify),
+    "mgpu": ("verify_mgpu", verify_mgpu.MgpuVerifyBlocks, mgpu_verify),
+}
+
+
+def bench_verify_other(args, row, sets, csets, kind: str):
+    """``--verify-split`` / ``--verify-mgpu``: the two-kernel or the Mosaic GPU verify on the
+    same input sets as the fused one (row keys ``pallas_<kind>_us``, ``<kind>_over_fused``...)."""
     b, n, hv = row["B"], row["N"], row["Hv"]
-    variants = parse_blocks(args.verify_split, split.SplitVerifyBlocks)
+    option, cls, fn = OTHER_VERIFY[kind]
+    variants = parse_blocks(getattr(args, option), cls)
     for i, bl in enumerate(variants):
-        op = functools.partial(split_verify, bl=bl)
-        attempt(row, f"split_rel_err{i}", check_verify, b, n, hv, op)
-        attempt(row, f"pallas_split{i}_us", fused_us, op, sets, args.reps)
-    row["pallas_split_us"], best = best_of(row, "pallas_split", len(variants))
-    row["split_best_variant"] = best
-    if f"split_rel_err{best}" in row:
-        row["split_rel_err_vs_xla"] = row[f"split_rel_err{best}"]
+        op = functools.partial(fn, bl=bl)
+        attempt(row, f"{kind}_rel_err{i}", check_verify, b, n, hv, op)
+        attempt(row, f"pallas_{kind}{i}_us", fused_us, op, sets, args.reps)
+    row[f"pallas_{kind}_us"], best = best_of(row, f"pallas_{kind}", len(variants))
+    row[f"{kind}_best_variant"] = best
+    if f"{kind}_rel_err{best}" in row:
+        row[f"{kind}_rel_err_vs_xla"] = row[f"{kind}_rel_err{best}"]
     if csets is not None:
-        op = functools.partial(split_verify, bl=variants[best])
-        attempt(row, "pallas_split_chain_us", fused_us, op, csets, args.reps)
-    if row["pallas_split_us"] < 1e30:
-        row["split_over_floor"] = row["pallas_split_us"] / row["floor_us"]
+        op = functools.partial(fn, bl=variants[best])
+        attempt(row, f"pallas_{kind}_chain_us", fused_us, op, csets, args.reps)
+    if row[f"pallas_{kind}_us"] < 1e30:
+        row[f"{kind}_over_floor"] = row[f"pallas_{kind}_us"] / row["floor_us"]
         if row.get("pallas_us", 1e30) < 1e30:
-            row["split_over_fused"] = row["pallas_split_us"] / row["pallas_us"]
+            row[f"{kind}_over_fused"] = row[f"pallas_{kind}_us"] / row["pallas_us"]
 
 
 def bench_verify_config(args, bw, mm, blocks, hv, b, n) -> dict:
@@ -317,8 +333,9 @@ def bench_verify_config(args, bw, mm, blocks, hv, b, n) -> dict:
         csets = with_ancestors([tree_inputs(s, b, n, hv, chain=True) for s in range(r)])
         op = functools.partial(pallas_verify, bl=blocks[row["best_variant"]])
         attempt(row, "pallas_chain_us", fused_us, op, csets, args.reps)
-    if args.verify_split:
-        bench_verify_split(args, row, sets, csets)
+    for kind, (option, _, _) in OTHER_VERIFY.items():
+        if getattr(args, option):
+            bench_verify_other(args, row, sets, csets, kind)
     if not args.no_xla:
         attempt(row, "xla_us", fused_us, xla_verify_o, sets[: max(4, r // 2)], args.reps)
     snap_bytes = b * n * hv * K * V * 4
@@ -656,8 +673,10 @@ def print_tables(args, rows: list[dict]) -> None:
             stages = [f"stage_{st}_us" for st in verify_kernel.STAGES[1:]]
             print(markdown_table(vr, ["Hv", "B", "N", *stages, "pallas0_us"]))
         split_cols = ["pallas_split_us", "split_over_fused", "split_rel_err_vs_xla"]
+        mgpu_cols = ["pallas_mgpu_us", "mgpu_over_fused", "mgpu_over_floor", "mgpu_rel_err_vs_xla"]
         print("\n## tree_verify (us per layer)\n")
         cols = ["Hv", "B", "N", "pallas_us", *(split_cols if args.verify_split else [])]
+        cols += mgpu_cols if args.verify_mgpu else []
         cols += ["pallas_chain_us", "xla_us", "snapshot_us", "floor_us", "pallas_over_floor"]
         cols += ["snapshot_over_pallas", "rel_err_vs_xla", "best_variant"]
         print(markdown_table(vr, cols))
@@ -745,6 +764,16 @@ def parser() -> argparse.ArgumentParser:
         help="also time the two-kernel verify; an optional SplitVerifyBlocks spec,\n"
         "e.g. 'precision=bf16x3,block_v=128,num_warps_b=8'; repeatable",
     )
+    a(
+        "--verify-mgpu",
+        action="append",
+        nargs="?",
+        const="",
+        default=[],
+        help="also time the Mosaic GPU verify (pallas_kernels.verify.mgpu; a Hopper GPU, N <= 64,\n"
+        "bf16); an optional MgpuVerifyBlocks spec, e.g. 'lhs_in_smem=false,acc_init=true';\n"
+        "repeatable",
+    )
     a("--chains", action="store_true", help="also time the best verify variant on chains (depth N)")
     a("--breakdown", action="store_true", help="also time the verify kernel cut after each stage")
     a(
@@ -818,6 +847,9 @@ def main(argv=None) -> list[dict]:
         for name in ("tree_verify", "tree_commit", "snapshot_verify", "chunk_gated_delta_rule"):
             setattr(pk, name, functools.partial(getattr(pk, name), interpret=True))
         split.tree_verify_split = functools.partial(split.tree_verify_split, interpret=True)
+        verify_mgpu.tree_verify_mgpu = functools.partial(
+            verify_mgpu.tree_verify_mgpu, interpret=True
+        )
     dev = jax.devices()[0]
     print(f"# device {dev.device_kind}; jax {jax.__version__}")
     bw = mm = None

@@ -1,6 +1,7 @@
 """Tree WY verify of a draft tree through one GDN layer: the fused kernel (``kernel.py``), the
 same kernel on states in the serving memory arena (``arena.py``), the per-node snapshot verify
-baseline (``snapshot.py``) and a plain-JAX reference (``reference.py``)."""
+baseline (``snapshot.py``), a Mosaic GPU version of the fused kernel (``mgpu.py``, not routed)
+and a plain-JAX reference (``reference.py``)."""
 
 from pallas_kernels.verify.kernel import (
     GPU_MAX_NODES_X3,
