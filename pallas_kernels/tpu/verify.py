@@ -150,10 +150,36 @@ def _divisors(n: int) -> list[int]:
 DEFAULT_TPU_VERIFY_BLOCKS = TpuVerifyBlocks()
 
 
-def solve(a, rhs, steps, blocks: TpuVerifyBlocks) -> jax.Array:
-    """``U = (I + A)^-1 R`` for the stacked strictly lower ``A (m, m)`` (module docstring);
-    ``steps``: inverse steps for the deepest stacked tree (an int or a traced scalar)."""
+# Trees deeper than this (more inverse steps) take the block inverse (_block_inverse): along
+# a deep path of alike keys with slow decay the doubling's powers A^(2^j) grow like binomial
+# coefficients of the depth and one-pass bf16 loses X (a 64-node chain of keys at cosine
+# 0.9996, g ~ -0.01: U off by 1e8; as pallas_kernels.verify.kernel.inverse_by_depth).
+DEEP_STEPS = newton_steps(16) + 1
+INVERSE_BLOCK = 8
+
+
+def _block_inverse(a, npad: int, precision: str) -> jax.Array:
+    """``X ~ (I + A)^-1`` for deep trees: the diagonal blocks of :data:`INVERSE_BLOCK` nodes by
+    Newton-Schulz (``X_D``), the rest by block substitution ``X = X_D - X_D L X`` (``L``: ``A``
+    off those blocks), iterated once per block a path of an ``npad``-node system can cross."""
     m = a.shape[0]
+    bs = INVERSE_BLOCK
+    same = (iota((m, m), 0) // bs) == (iota((m, m), 1) // bs)
+    xd = newton_inverse(jnp.where(same, a, 0.0), newton_steps(bs), precision)
+    sxd, soff = split(xd, precision), split(jnp.where(same, 0.0, a), precision)
+
+    def substitute(_, x):
+        return xd - dot(sxd, dot(soff, x, precision), precision)
+
+    return jax.lax.fori_loop(0, max(npad // bs - 1, 0), substitute, xd)
+
+
+def solve(a, rhs, steps, blocks: TpuVerifyBlocks, npad: int | None = None) -> jax.Array:
+    """``U = (I + A)^-1 R`` for the stacked strictly lower ``A (m, m)`` (module docstring);
+    ``steps``: inverse steps for the deepest stacked tree (an int or a traced scalar);
+    ``npad``: nodes of one stacked system (``m`` when not given)."""
+    m = a.shape[0]
+    npad = m if npad is None else npad
     inv_p = "bf16" if blocks.refine_steps else blocks.precision
     if blocks.inverse == "newton":
         eye = jnp.where(eye_mask(m), 1.0, 0.0).astype(F32)
@@ -163,11 +189,19 @@ def solve(a, rhs, steps, blocks: TpuVerifyBlocks) -> jax.Array:
             sp = split(dot(sp, sp, inv_p), inv_p)
             return x + dot(x, sp, inv_p), sp
 
-        x, _ = jax.lax.fori_loop(0, jnp.maximum(steps - 1, 0), double, (eye - a, split(a, inv_p)))
-        # The last doubling as a Newton-Schulz step, X <- X + X (I - (I + A) X), which also
-        # squares away the rounding the earlier products left.
-        sx = split(x, inv_p)
-        x = x + dot(sx, eye - x - dot(a, sx, inv_p), inv_p)
+        def shallow():
+            x, _ = jax.lax.fori_loop(
+                0, jnp.maximum(steps - 1, 0), double, (eye - a, split(a, inv_p))
+            )
+            # The last doubling as a Newton-Schulz step, X <- X + X (I - (I + A) X), which
+            # also squares away the rounding the earlier products left.
+            sx = split(x, inv_p)
+            return x + dot(sx, eye - x - dot(a, sx, inv_p), inv_p)
+
+        if npad <= 16:
+            x = shallow()
+        else:
+            x = jax.lax.cond(steps >= DEEP_STEPS, lambda: _block_inverse(a, npad, inv_p), shallow)
         sx = split(x, inv_p)
         u = dot(sx, rhs, inv_p)
     else:
@@ -243,7 +277,7 @@ def wy_math(q, k, v, g_row, beta, incl, s0, steps, *, npad, scale, use_l2norm, b
     qs = jnp.concatenate(qs, axis=0) if len(qs) > 1 else qs[0]
     eg = jnp.exp(g_path)
     rhs = beta * (v.reshape(m, dv).astype(F32) - (eg * rk) * ks)
-    u = solve(a, rhs, steps, blocks)
+    u = solve(a, rhs, steps, blocks, npad)
     o = (eg * rq) * qs + dot(att, u, prec, mxu=blocks.mxu_rows)
     return o, u, g_path, rk
 

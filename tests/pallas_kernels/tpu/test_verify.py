@@ -181,3 +181,24 @@ def test_lowers_at_qwen_dims(device_kind, mxu_rows):
     )
     fn = lambda *a: tpu.tree_verify_arena(*a, state_offset=128, use_qk_l2norm=True, blocks=blocks)
     assert lowers(fn, *dense[:6], *arena_shapes(b), device_kind=device_kind)
+
+
+@pytest.mark.parametrize("n", [24, 64])
+def test_deep_chains_of_alike_keys(n):
+    """Deeper than 16 nodes, keys nearly equal, slow decay, large beta: the doubling's powers
+    grow like binomial coefficients and one-pass bf16 loses X (U off by 1e8 at N 64); the block
+    inverse keeps U near the exact one with the default refinement step, within 4e-5 with
+    two. Interpret mode runs the dots as the MXU does."""
+    from pallas_kernels.verify.reference import tree_verify_reference
+    from tests.gdn_jax.reference import rel_err
+
+    parents = (np.arange(n, dtype=np.int32) - 1)[None]
+    rng = np.random.default_rng(1)
+    q, k, v, g, beta, s0 = tree_inputs(parents, 1, 1, 128, 128, jnp.bfloat16, 0, "mild")
+    k = jnp.asarray(rng.normal(size=128) + 0.03 * rng.normal(size=k.shape), jnp.bfloat16)
+    args = (q, k, v, 0.01 * g, jnp.minimum(2 * beta, 1.0), jnp.asarray(parents), s0)
+    _, u_ref, _ = tree_verify_reference(*args, use_qk_l2norm=True)
+    for steps, tol in ((1, 5e-4), (2, 4e-5)):
+        blocks = tpu.TpuVerifyBlocks(refine_steps=steps)
+        u = tpu.tree_verify(*args, use_qk_l2norm=True, blocks=blocks, interpret=True)[1]
+        assert rel_err(u, u_ref) < tol, (steps, rel_err(u, u_ref))
