@@ -205,10 +205,10 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
     return reach
 
 
-# Trees deeper than this invert (I + A) by blocks (_inverse_blocks): the product doubling's
+# Trees deeper than this invert (I + A) by blocks (inverse_by_depth): the product doubling's
 # intermediate powers A^(2^j) grow like binomial coefficients of the depth when keys along a
 # path are alike and decay is slow, and one-pass bf16 products then lose T0 entirely (a 64-node
-# chain of near-equal keys at g ~ -0.01: U off by 1e2 after refinement; at depth <= 16 the same
+# chain of near-equal keys at g ~ -0.01: U off by 3e6 after refinement; at depth <= 16 the same
 # inputs stay within 2e-6). Block substitution only multiplies bounded pieces of the inverse.
 DOUBLING_MAX_DEPTH = 16
 INVERSE_BLOCK = 8
