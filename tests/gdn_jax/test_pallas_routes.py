@@ -43,6 +43,23 @@ def test_routes_match_xla():
     assert rel_err(s, sx) < 2e-5
 
 
+def test_verify_route_on_a_deep_chain_of_alike_keys():
+    """A 64-node chain of nearly equal bf16 keys with slow decay: ``impl="pallas"`` (on a GPU
+    the kernel's one-pass bf16 inverse, which needs the block inverse beyond depth 16) against
+    the XLA path's triangular solve. On CPU interpret mode runs f32 dots, so this is the GPU's
+    check (``benchmarks/device.sh gpu_tests``)."""
+    parents = (np.arange(64, dtype=np.int32) - 1)[None]
+    rng = np.random.default_rng(1)
+    q, k, v, g, beta, s0 = make_inputs(rng, 1, 64, 1, 2, 64, 64)
+    k = rng.normal(size=64) + 0.03 * rng.normal(size=k.shape)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+    tree = (bf(q), bf(k), bf(v), jnp.asarray(0.01 * g), jnp.asarray(np.minimum(2 * beta, 1)))
+    tree += (parents, jnp.asarray(s0))
+    _, cache = tree_verify(*tree, use_qk_l2norm=True, impl="pallas")
+    _, cx = tree_verify(*tree, use_qk_l2norm=True, impl="xla")
+    assert rel_err(cache.u, cx.u) < 2e-5, rel_err(cache.u, cx.u)
+
+
 @pytest.mark.parametrize("final", [True, False])
 def test_chunk_route_matches_xla(final):
     """``impl="pallas"`` of the chunked prefill goes to the three-kernel prefill (interpret)."""
