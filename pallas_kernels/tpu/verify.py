@@ -160,16 +160,17 @@ INVERSE_BLOCK = 8
 
 def _block_inverse(a, npad: int, precision: str) -> jax.Array:
     """``X ~ (I + A)^-1`` for deep trees: the diagonal blocks of :data:`INVERSE_BLOCK` nodes by
-    Newton-Schulz (``X_D``), the rest by block substitution ``X = X_D - X_D L X`` (``L``: ``A``
-    off those blocks), iterated once per block a path of an ``npad``-node system can cross."""
+    Newton-Schulz (``X_D``), the rest by block substitution ``X = X_D - M X`` with ``M = X_D L``
+    (``L``: ``A`` off those blocks), iterated once per block a path of an ``npad``-node system
+    can cross."""
     m = a.shape[0]
     bs = INVERSE_BLOCK
     same = (iota((m, m), 0) // bs) == (iota((m, m), 1) // bs)
     xd = newton_inverse(jnp.where(same, a, 0.0), newton_steps(bs), precision)
-    sxd, soff = split(xd, precision), split(jnp.where(same, 0.0, a), precision)
+    sm = split(dot(xd, jnp.where(same, 0.0, a), precision), precision)
 
     def substitute(_, x):
-        return xd - dot(sxd, dot(soff, x, precision), precision)
+        return xd - dot(sm, x, precision)
 
     return jax.lax.fori_loop(0, max(npad // bs - 1, 0), substitute, xd)
 

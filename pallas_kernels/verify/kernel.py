@@ -227,8 +227,8 @@ def inverse_by_depth(a, depth, precision):
     """``T0 ~ (I + A)^-1`` for strictly lower ``A [n, n]`` whose longest path has ``depth``
     nodes: product doubling up to :data:`DOUBLING_MAX_DEPTH`; deeper, the diagonal blocks of
     :data:`INVERSE_BLOCK` nodes by doubling (``T_D``) and the rest by block substitution,
-    ``T = T_D - T_D L T`` iterated once per block a path can cross (``L``: ``A`` off the
-    diagonal blocks). Either way the dots run at ``precision``."""
+    ``T = T_D - M T`` with ``M = T_D L`` iterated once per block a path can cross (``L``:
+    ``A`` off the diagonal blocks). Either way the dots run at ``precision``."""
     n = a.shape[0]
     deep = depth > DOUBLING_MAX_DEPTH
     row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
@@ -238,11 +238,11 @@ def inverse_by_depth(a, depth, precision):
     deep_i = deep.astype(jnp.int32)  # (a where over constants lowers to i1 in Triton)
     block_depth = jnp.minimum(depth, n - (n - min(INVERSE_BLOCK, n)) * deep_i)
     td = _inverse_doubling(jnp.where(same, a, 0.0), _doublings(block_depth, n), precision)
-    off = jnp.where(same, 0.0, a)
     levels = jnp.minimum(depth - 1, max(n // INVERSE_BLOCK - 1, 0)) * deep_i
+    m = dot(td, jnp.where(same, 0.0, a), precision)  # zero when shallow
 
     def substitute(_, t):
-        return td - dot(td, dot(off, t, precision), precision)
+        return td - dot(m, t, precision)
 
     return jax.lax.fori_loop(0, levels, substitute, td)
 

@@ -264,16 +264,15 @@ def _kernel(
             same = same | (levels == 0)
             d = jnp.where(same, a, 0.0)
             td, _ = lax.fori_loop(0, it_ref[b, 0], double, (eye - d, d))
-            off = lhs(jnp.where(same, 0.0, a).astype(BF16), ah)
-            tdl = lhs(td.astype(BF16), al)
+            pw[...] = jnp.where(same, 0.0, a).astype(BF16)
+            tdl = lhs(td.astype(BF16), ah)
+            plgpu.commit_smem()
+            m = lhs(mm(tdl, pw, sq).astype(BF16), al)  # M = T_D L; retired: pw is free
 
             def substitute(_, t):
                 pw[...] = t.astype(BF16)
                 plgpu.commit_smem()
-                x = mm(off, pw, sq)  # retired: pw may be rewritten
-                pw[...] = x.astype(BF16)
-                plgpu.commit_smem()
-                return td - mm(tdl, pw, sq)
+                return td - mm(m, pw, sq)
 
             t = lax.fori_loop(0, levels, substitute, td)
             nah, nal = _split(-a)
